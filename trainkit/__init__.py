@@ -1,0 +1,10 @@
+"""trainkit: a Lightning-style trainer whose distributed strategies are its own."""
+
+from trainkit.data import DataModule
+from trainkit.module import TrainModule
+from trainkit.seed import seed_everything
+from trainkit.trainer import Trainer
+
+__version__ = "0.1.0"
+
+__all__ = ["DataModule", "TrainModule", "Trainer", "__version__", "seed_everything"]

@@ -1,0 +1,46 @@
+"""LearningRateMonitor: log each param group's learning rate."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from trainkit.callbacks.base import Callback
+
+if TYPE_CHECKING:
+    from trainkit.module import TrainModule
+    from trainkit.trainer import Trainer
+
+
+class LearningRateMonitor(Callback):
+    """Logs ``lr-<Optimizer>`` (``/pg<i>`` per group when there are several) every logging step or epoch.
+
+    Args:
+        logging_interval: "step" (at ``log_every_n_steps``) or "epoch".
+    """
+
+    def __init__(self, logging_interval: str = "step") -> None:
+        if logging_interval not in ("step", "epoch"):
+            raise ValueError(f"logging_interval must be 'step' or 'epoch'; got {logging_interval!r}.")
+        self.logging_interval = logging_interval
+        self._last_step = -1
+
+    def _values(self, trainer: Trainer) -> dict[str, float]:
+        optimizer = trainer.optimizer
+        if optimizer is None:
+            return {}
+        name = f"lr-{type(optimizer).__name__}"
+        groups = optimizer.param_groups
+        if len(groups) == 1:
+            return {name: float(groups[0]["lr"])}
+        return {f"{name}/pg{i}": float(g["lr"]) for i, g in enumerate(groups)}
+
+    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step
+        if self.logging_interval == "step" and step != self._last_step and step % trainer.log_every_n_steps == 0:
+            self._last_step = step
+            trainer.log_metrics(self._values(trainer), step)
+
+    def on_train_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
+        if self.logging_interval == "epoch":
+            trainer.log_metrics(self._values(trainer), trainer.global_step)

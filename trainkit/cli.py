@@ -1,0 +1,136 @@
+"""The ``trainkit`` command line: ``trainkit fit|validate|test|predict`` over jsonargparse.
+
+Every Trainer argument is ``--trainer.<name>``; the model and data are class paths with their init
+arguments (``--model mypkg.MyModule --model.lr 1e-3``); ``--config`` reads YAML and ``--print_config``
+writes the full configuration, so a run is reproducible from one file. With no ``--model``, the
+embedded demo (TinyGPT on a synthetic Markov corpus) runs. In your own script::
+
+    from trainkit.cli import main
+    main(MyModule)            # model fixed: its init arguments become --model.<arg>
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
+
+from trainkit.data import DataModule
+from trainkit.module import TrainModule
+from trainkit.trainer import Trainer
+from trainkit_strategies.registry import available
+
+SUBCOMMANDS = {
+    "fit": "Train a model (resume with --ckpt_path last).",
+    "validate": "Run the validation loop once.",
+    "test": "Run the test loop once.",
+    "predict": "Run prediction over the predict dataloader.",
+}
+DEMO_MODEL = "trainkit.demo.gpt.DemoGPT"
+DEMO_DATA = "trainkit.demo.markov.MarkovData"
+DEMO_TRAINER = {"max_steps": 2000, "val_check_interval": 500, "log_every_n_steps": 25, "seed": 0}
+
+
+def _subcommand_parser(name: str, model_class: type[TrainModule] | None,
+                       datamodule_class: type[DataModule] | None) -> ArgumentParser:
+    parser = ArgumentParser(description=SUBCOMMANDS[name], exit_on_error=True)
+    parser.add_argument("-c", "--config", action=ActionConfigFile, help="YAML config file (see --print_config).")
+    parser.add_class_arguments(Trainer, "trainer", fail_untyped=False, instantiate=False)
+    if model_class is None:
+        parser.add_subclass_arguments(TrainModule, "model", required=False,
+                                      help="TrainModule class path (default: the embedded TinyGPT demo).")
+    else:
+        parser.add_class_arguments(model_class, "model")
+    if datamodule_class is None:
+        parser.add_subclass_arguments(DataModule, "data", required=False,
+                                      help="DataModule class path (default: the model's own dataloaders).")
+    else:
+        parser.add_class_arguments(datamodule_class, "data")
+    parser.add_argument("--ckpt_path", type=str | None, default=None,
+                        help='Checkpoint directory to resume from, or "last".')
+    return parser
+
+
+def build_parser(model_class: type[TrainModule] | None = None,
+                 datamodule_class: type[DataModule] | None = None) -> ArgumentParser:
+    parser = ArgumentParser(prog="trainkit", description="Train PyTorch models with trainkit.")
+    subcommands = parser.add_subcommands(required=True, dest="subcommand")
+    for name in SUBCOMMANDS:
+        subcommands.add_subcommand(name, _subcommand_parser(name, model_class, datamodule_class),
+                                   help=SUBCOMMANDS[name])
+    return parser
+
+
+def normalize_argv(argv: Sequence[str]) -> list[str]:
+    """Put the subcommand first wherever it was typed, and expand registered strategy names.
+
+    ``--trainer.strategy zero2 --trainer.strategy.bucket_mb 25`` becomes the class-path form
+    jsonargparse needs to accept the strategy's own options.
+    """
+    argv = list(argv)
+    if argv and argv[0] not in SUBCOMMANDS:
+        for i, token in enumerate(argv):
+            if token in SUBCOMMANDS and not (i > 0 and argv[i - 1].startswith("--") and "=" not in argv[i - 1]
+                                             and argv[i - 1] not in ("--print_config",)):
+                argv.insert(0, argv.pop(i))
+                break
+    names = available()
+    for i, token in enumerate(argv):
+        if token.startswith("--trainer.strategy="):
+            value = token.split("=", 1)[1]
+            if value in names:
+                argv[i] = "--trainer.strategy=" + names[value].replace(":", ".")
+        elif token == "--trainer.strategy" and i + 1 < len(argv) and argv[i + 1] in names:
+            argv[i + 1] = names[argv[i + 1]].replace(":", ".")
+    return argv
+
+
+def _instantiate(parser: ArgumentParser, cfg: Namespace, subcommand: str) -> tuple[Trainer, TrainModule, Any]:
+    sub_cfg = cfg[subcommand]
+    is_demo = sub_cfg.get("model") is None
+    if is_demo:
+        sub_cfg.model = Namespace(class_path=DEMO_MODEL, init_args=Namespace())
+        if sub_cfg.get("data") is None:
+            sub_cfg.data = Namespace(class_path=DEMO_DATA, init_args=Namespace())
+    init = parser.instantiate_classes(cfg)[subcommand]
+    model, data = init.model, init.data
+    trainer_args = dict(init.trainer)
+    if is_demo:
+        defaults = Trainer.__init__.__kwdefaults__
+        for key, value in DEMO_TRAINER.items():
+            if trainer_args.get(key) == defaults[key]:
+                trainer_args[key] = value
+        if trainer_args["max_steps"] != model.hparams.max_steps:
+            model.hparams.max_steps = trainer_args["max_steps"]
+    trainer = Trainer(**trainer_args)
+    return trainer, model, data
+
+
+def main(model_class: type[TrainModule] | None = None, datamodule_class: type[DataModule] | None = None,
+         args: Sequence[str] | None = None) -> Any:
+    """Parse ``args`` (default: the command line) and run the chosen subcommand."""
+    parser = build_parser(model_class, datamodule_class)
+    argv = normalize_argv(sys.argv[1:] if args is None else args)
+    cfg = parser.parse_args(argv)
+    subcommand = cfg.subcommand
+    sub_parser = parser._subcommands_action._name_parser_map[subcommand]
+    try:
+        trainer, model, data = _instantiate(parser, cfg, subcommand)
+    except (ValueError, TypeError, KeyError, RuntimeError) as err:
+        sub_parser.error(str(err))
+    _save_config(trainer, sub_parser, cfg[subcommand])
+    run = getattr(trainer, subcommand)
+    return run(model, datamodule=data, ckpt_path=cfg[subcommand].ckpt_path)
+
+
+def _save_config(trainer: Trainer, parser: ArgumentParser, cfg: Namespace) -> None:
+    if trainer.is_global_zero and trainer.logger is not None:
+        log_dir = trainer.logger.log_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+        (log_dir / "config.yaml").write_text(parser.dump(cfg, skip_none=False, skip_check=True))
+
+
+if __name__ == "__main__":
+    main()

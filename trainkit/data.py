@@ -1,0 +1,135 @@
+"""Data: DataModule, and the sampler that shards by rank and resumes mid-epoch.
+
+The sampler keeps the *global* sample order independent of the world size: each epoch draws one
+permutation (seeded by ``seed + epoch``) and rank ``r`` of ``W`` takes ``perm[r::W]``. With a per-rank
+batch ``b``, the ranks' batches at step ``t`` together hold exactly ``perm[t*W*b : (t+1)*W*b]``, the
+batch one process with batch ``W*b`` would see, which is what makes strategy parity testable.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
+
+
+class DataModule:
+    """Groups the data of a run: override the ``*_dataloader`` methods you need.
+
+    ``prepare_data`` runs once (rank 0) for downloads; ``setup(stage)`` runs on every rank.
+    """
+
+    def prepare_data(self) -> None: ...
+
+    def setup(self, stage: str) -> None: ...
+
+    def teardown(self, stage: str) -> None: ...
+
+    def train_dataloader(self) -> DataLoader | None:
+        return None
+
+    def val_dataloader(self) -> DataLoader | None:
+        return None
+
+    def test_dataloader(self) -> DataLoader | None:
+        return None
+
+    def predict_dataloader(self) -> DataLoader | None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class ResumableSampler(Sampler[int]):
+    """Shuffled (or sequential) indices, sharded across ranks by striding, resumable mid-epoch.
+
+    When the dataset does not divide by the world size, the permutation is padded with its own head
+    (as torch's DistributedSampler does) unless ``drop_last`` trims it.
+    """
+
+    def __init__(
+        self, length: int, shuffle: bool, seed: int = 0, rank: int = 0, world_size: int = 1,
+        drop_last: bool = False,
+    ) -> None:
+        self.length, self.shuffle, self.seed = length, shuffle, seed
+        self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
+        self.epoch = 0
+        self._start = 0
+        if drop_last:
+            self.per_rank = length // world_size
+        else:
+            self.per_rank = math.ceil(length / world_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def skip(self, samples: int) -> None:
+        """Start the next iteration ``samples`` into this rank's share of the epoch."""
+        self._start = samples
+
+    def __len__(self) -> int:
+        return self.per_rank - self._start
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            gen = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.length, generator=gen)
+        else:
+            order = torch.arange(self.length)
+        total = self.per_rank * self.world_size
+        if total > self.length:
+            order = torch.cat([order, order.repeat(math.ceil(total / self.length))[: total - self.length]])
+        start, self._start = self._start, 0
+        yield from order[: total][self.rank :: self.world_size][start:].tolist()
+
+
+def rebuild_loader(loader: DataLoader, shuffle: bool | None, seed: int, rank: int, world_size: int) -> DataLoader:
+    """Swap a loader's default sampler for a ``ResumableSampler``; other loaders pass through.
+
+    Loaders with a custom sampler or batch sampler, or over an IterableDataset, are left alone: they
+    resume by skipping batches, and sharding across ranks is theirs to do.
+    """
+    default_sampler = type(loader.sampler) in (SequentialSampler, RandomSampler)
+    if isinstance(loader.dataset, IterableDataset) or loader.batch_size is None or not default_sampler:
+        if world_size > 1 and not isinstance(getattr(loader, "sampler", None), ResumableSampler):
+            rank_zero_warn(
+                "A dataloader uses a custom sampler or an IterableDataset, so trainkit cannot shard it by "
+                "rank: make sure each rank reads its own part of the data."
+            )
+        return loader
+    if shuffle is None:
+        shuffle = isinstance(loader.sampler, RandomSampler)
+    sampler = ResumableSampler(len(loader.dataset), shuffle, seed, rank, world_size)
+    kwargs: dict[str, Any] = dict(
+        batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
+        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator if loader.generator is not None else torch.Generator(),
+        persistent_workers=loader.persistent_workers, pin_memory_device=loader.pin_memory_device,
+    )
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    return DataLoader(loader.dataset, **kwargs)
+
+
+def num_batches(loader: DataLoader, limit: int | float | None) -> float:
+    """Batches per epoch after ``limit`` (an int count or a fraction); ``inf`` when unknown."""
+    try:
+        total: float = len(loader)
+    except TypeError:
+        total = math.inf
+    if limit is None:
+        return total
+    if isinstance(limit, float) and limit <= 1.0:
+        if math.isinf(total):
+            raise ValueError("A fractional limit_*_batches needs a dataloader with a length.")
+        return int(total * limit)
+    return min(total, int(limit))

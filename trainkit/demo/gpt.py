@@ -1,0 +1,198 @@
+"""TinyGPT (a GPT-2-shaped decoder, tied embeddings) and the TrainModule the default run uses."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from trainkit.module import TrainModule
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Attributes:
+        vocab_size: tokens. block_size: longest context. n_layer / n_head / n_embd: depth, heads, width.
+        dropout: dropout probability in attention and MLP outputs.
+    """
+
+    vocab_size: int = 16
+    block_size: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    dropout: float = 0.0
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        if cfg.n_embd % cfg.n_head:
+            raise ValueError(f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head}).")
+        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """Token + position embeddings, ``n_layer`` pre-norm blocks, final norm, LM head tied to the embedding."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+        self.apply(self._init)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):  # GPT-2's scaled init of residual projections
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, 0.0, 0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, 0.0, 0.02)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        t = idx.shape[1]
+        if t > self.cfg.block_size:
+            raise ValueError(f"Sequence of {t} tokens exceeds block_size {self.cfg.block_size}.")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+class DemoGPT(TrainModule):
+    """TinyGPT trained as a language model with AdamW and linear warmup + cosine decay.
+
+    Training returns ``{"loss", "num_items"}`` (tokens), so accumulation and ranks weight by tokens.
+    Validation logs ``val_loss`` over the positions whose two predecessors are in view, and, when the
+    data knows its entropy rate ``H`` (MarkovData does), ``val_excess`` = ``val_loss - H`` in nats.
+
+    Args:
+        vocab_size, block_size, n_layer, n_head, n_embd, dropout: see GPTConfig.
+        lr: peak learning rate. weight_decay: applied to matrices, not to biases/norms/embeddings.
+        warmup_steps: linear warmup. max_steps: length of the cosine decay (to 10% of lr).
+    """
+
+    def __init__(
+        self, vocab_size: int = 16, block_size: int = 64, n_layer: int = 2, n_head: int = 4, n_embd: int = 64,
+        dropout: float = 0.0, lr: float = 3e-3, weight_decay: float = 0.1, warmup_steps: int = 50,
+        max_steps: int = 2000,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = TinyGPT(GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout))
+        self.entropy_rate: float | None = None
+        self._started = 0.0
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(idx)
+
+    def setup(self, stage: str) -> None:
+        data = self.trainer.datamodule
+        vocab = getattr(data, "vocab_size", None)
+        if vocab is not None and vocab > self.hparams.vocab_size:
+            raise ValueError(f"The data has {vocab} tokens but the model's vocab_size is "
+                             f"{self.hparams.vocab_size}; pass --model.vocab_size {vocab}.")
+        self.entropy_rate = getattr(data, "entropy_rate", None)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor | int]:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        self.log("train_loss", loss, prog_bar=True)
+        return {"loss": loss, "num_items": y.numel()}
+
+    def _eval_step(self, batch: tuple[Tensor, Tensor], prefix: str) -> None:
+        x, y = batch
+        logits = self(x)[:, 1:]  # position i predicts token i+1 from tokens <= i: needs i >= 1
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y[:, 1:].flatten())
+        self.log(f"{prefix}_loss", loss, prog_bar=True, sync_dist=True, batch_size=x.shape[0])
+        if self.entropy_rate is not None:
+            self.log(f"{prefix}_excess", loss - self.entropy_rate, prog_bar=True, sync_dist=True,
+                     batch_size=x.shape[0])
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "test")
+
+    def configure_optimizers(self) -> dict:
+        decay = [p for n, p in self.named_parameters() if p.dim() >= 2 and "wte" not in n and "wpe" not in n]
+        rest = [p for n, p in self.named_parameters() if not (p.dim() >= 2 and "wte" not in n and "wpe" not in n)]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+            lr=self.hparams.lr, betas=(0.9, 0.95),
+        )
+        warmup, total = self.hparams.warmup_steps, max(self.hparams.max_steps, 1)
+
+        def schedule(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_fit_start(self) -> None:
+        self._started = time.perf_counter()
+
+    def on_fit_end(self) -> None:
+        metrics = self.trainer.callback_metrics
+        if "val_loss" not in metrics:
+            return
+        line = f"validation loss {metrics['val_loss']:.4f} nats"
+        if self.entropy_rate is not None:
+            excess = metrics["val_loss"] - self.entropy_rate
+            line += f" | Markov entropy floor H = {self.entropy_rate:.4f} nats | excess {excess:.4f} nats"
+        line += f" | {self.global_step} steps in {time.perf_counter() - self._started:.1f} s"
+        self.print(line)

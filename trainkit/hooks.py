@@ -1,0 +1,94 @@
+"""The hook set TrainModule exposes. Callbacks (trainkit.callbacks.Callback) get the same names with
+``(trainer, module, ...)`` prepended. Hooks that are not overridden cost nothing: the trainer builds its
+dispatch lists from the methods a subclass actually defines."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+from torch.optim import Optimizer
+
+HOOK_NAMES = (
+    "setup", "teardown",
+    "on_fit_start", "on_fit_end", "on_train_start", "on_train_end",
+    "on_train_epoch_start", "on_train_epoch_end",
+    "on_train_batch_start", "on_train_batch_end",
+    "on_validation_start", "on_validation_end",
+    "on_validation_epoch_start", "on_validation_epoch_end", "on_validation_batch_end",
+    "on_test_start", "on_test_end", "on_test_epoch_start", "on_test_epoch_end", "on_test_batch_end",
+    "on_predict_start", "on_predict_end", "on_predict_epoch_start", "on_predict_epoch_end",
+    "on_predict_batch_end",
+    "on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad",
+    "on_save_checkpoint", "on_load_checkpoint",
+)
+
+
+class ModelHooks:
+    """No-op hooks; override the ones you need."""
+
+    def setup(self, stage: str) -> None:
+        """Called on every rank before the model is placed: ``stage`` is fit, validate, test or predict."""
+
+    def teardown(self, stage: str) -> None: ...
+
+    def on_fit_start(self) -> None: ...
+
+    def on_fit_end(self) -> None: ...
+
+    def on_train_start(self) -> None: ...
+
+    def on_train_end(self) -> None: ...
+
+    def on_train_epoch_start(self) -> None: ...
+
+    def on_train_epoch_end(self) -> None: ...
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None: ...
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
+
+    def on_validation_start(self) -> None: ...
+
+    def on_validation_end(self) -> None: ...
+
+    def on_validation_epoch_start(self) -> None: ...
+
+    def on_validation_epoch_end(self) -> None: ...
+
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
+
+    def on_test_start(self) -> None: ...
+
+    def on_test_end(self) -> None: ...
+
+    def on_test_epoch_start(self) -> None: ...
+
+    def on_test_epoch_end(self) -> None: ...
+
+    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
+
+    def on_predict_start(self) -> None: ...
+
+    def on_predict_end(self) -> None: ...
+
+    def on_predict_epoch_start(self) -> None: ...
+
+    def on_predict_epoch_end(self) -> None: ...
+
+    def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
+
+    def on_before_backward(self, loss: Tensor) -> None: ...
+
+    def on_after_backward(self) -> None:
+        """Gradients of this micro-batch are accumulated (not yet reduced across ranks or normalised)."""
+
+    def on_before_optimizer_step(self, optimizer: Optimizer) -> None:
+        """Gradients are reduced, normalised and unscaled; clipping has not happened yet."""
+
+    def on_before_zero_grad(self, optimizer: Optimizer) -> None: ...
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Add JSON-serialisable entries to ``checkpoint`` (saved in meta.json)."""
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...

@@ -1,0 +1,117 @@
+"""Process launching and environment detection.
+
+Three ways a run gets its ranks:
+
+1. torchrun (TorchElastic) or any launcher that sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT:
+   trainkit reads the variables and launches nothing.
+2. SLURM (``srun``): SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID and the first host of the node list.
+3. ``--trainer.devices N`` on one machine: this process becomes rank 0 and starts N-1 copies of the
+   same command with the variables set and a free port.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import subprocess
+import sys
+from typing import Any
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+
+from trainkit_strategies import Environment
+
+_children: list[subprocess.Popen] = []
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _slurm_env() -> dict[str, str] | None:
+    if "SLURM_PROCID" not in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) < 2:
+        return None
+    if os.environ.get("SLURM_JOB_NAME") in ("bash", "interactive"):
+        return None
+    nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_NODELIST", "127.0.0.1")
+    first = _first_host(nodes)
+    job = int(os.environ.get("SLURM_JOB_ID", "0"))
+    return {
+        "RANK": os.environ["SLURM_PROCID"],
+        "LOCAL_RANK": os.environ.get("SLURM_LOCALID", "0"),
+        "WORLD_SIZE": os.environ["SLURM_NTASKS"],
+        "MASTER_ADDR": os.environ.get("MASTER_ADDR", first),
+        "MASTER_PORT": os.environ.get("MASTER_PORT", str(15000 + job % 20000)),
+    }
+
+
+def _first_host(nodelist: str) -> str:
+    """First host of a SLURM node list such as ``gpu[03-05,07],cpu1``."""
+    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist[: nodelist.index("]") + 1]
+    if "[" not in head:
+        return head
+    prefix, ranges = head.split("[", 1)
+    first = ranges.rstrip("]").split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def _command() -> list[str]:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:
+        name = spec.name.removesuffix(".__main__")
+        return [sys.executable, "-m", name, *sys.argv[1:]]
+    return [sys.executable, *sys.argv]
+
+
+def _launch(devices: int) -> None:
+    port = str(free_port())
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(devices)}
+    for rank in range(1, devices):
+        env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "TRAINKIT_LAUNCHED": "1"}
+        _children.append(subprocess.Popen(_command(), env=env))
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(devices),
+                       "RANK": "0", "LOCAL_RANK": "0", "TRAINKIT_LAUNCHED": "1"})
+    atexit.register(wait_children)
+
+
+def wait_children() -> int:
+    """Wait for launched ranks; returns the first non-zero exit code (0 when all succeeded)."""
+    code = 0
+    while _children:
+        child = _children.pop(0)
+        rc = child.wait()
+        code = code or rc
+    return code
+
+
+def connect(accelerator: str, devices: int, num_nodes: int, timeout_s: float) -> Environment:
+    """The Environment of this process, launching local ranks first when ``devices > 1`` asks for it."""
+    slurm = _slurm_env()
+    if slurm is not None and "WORLD_SIZE" not in os.environ:
+        os.environ.update(slurm)
+    if "WORLD_SIZE" not in os.environ and devices * num_nodes > 1:
+        if num_nodes > 1:
+            raise RuntimeError(
+                f"num_nodes={num_nodes} needs a multi-node launcher: start the run with torchrun "
+                "(--nnodes, --nproc-per-node) or srun, which set RANK/WORLD_SIZE for trainkit to read."
+            )
+        _launch(devices)
+    env = Environment.from_env(accelerator, timeout_s)
+    expected = devices * num_nodes
+    if env.world_size > 1 and expected > 1 and env.world_size != expected:
+        raise RuntimeError(
+            f"The launcher started {env.world_size} processes but devices * num_nodes = {devices} * {num_nodes} "
+            f"= {expected}. Make --trainer.devices/--trainer.num_nodes match the launcher (or leave devices=1)."
+        )
+    return env
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return batch
+    return apply_to_collection(batch, torch.Tensor, lambda t: t.to(device, non_blocking=True))

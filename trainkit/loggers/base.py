@@ -1,0 +1,61 @@
+"""Logger interface and the versioned-directory convention ``<root>/<name>/version_<N>``."""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+
+def next_version(root: Path) -> int:
+    if not root.is_dir():
+        return 0
+    versions = [int(m.group(1)) for p in root.iterdir() if (m := re.fullmatch(r"version_(\d+)", p.name))]
+    return max(versions, default=-1) + 1
+
+
+class Logger(ABC):
+    """Receives metrics and hyperparameters. Only rank 0 calls loggers."""
+
+    def __init__(self, root_dir: str | Path = "runs", name: str = "trainkit", version: int | str | None = None) -> None:
+        self.root_dir = Path(root_dir)
+        self.name = name
+        self._version = version
+
+    @property
+    def version(self) -> int | str:
+        if self._version is None:
+            self._version = next_version(self.root_dir / self.name)
+        return self._version
+
+    @property
+    def log_dir(self) -> Path:
+        version = self.version if isinstance(self.version, str) else f"version_{self.version}"
+        return self.root_dir / self.name / version
+
+    @abstractmethod
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+    @abstractmethod
+    def log_hyperparams(self, params: dict[str, Any]) -> None: ...
+
+    def save(self) -> None:
+        """Flush what is buffered."""
+
+    def finalize(self, status: str) -> None:
+        self.save()
+
+
+def flatten_params(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested hyperparameters as ``a/b`` keys with scalar (str for anything else) values."""
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten_params(value, f"{name}/"))
+        elif isinstance(value, bool | int | float | str) or value is None:
+            out[name] = value
+        else:
+            out[name] = str(value)
+    return out

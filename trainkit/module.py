@@ -1,0 +1,168 @@
+"""TrainModule: the user's model, its steps, its optimizer and (optionally) its data."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from trainkit.hooks import ModelHooks
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+
+    from trainkit.trainer import Trainer
+
+
+class AttributeDict(dict):
+    """A dict whose keys read as attributes: ``self.hparams.lr``."""
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError as err:
+            raise AttributeError(f"No hyperparameter {key!r}; saved: {sorted(self)}") from err
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        self[key] = value
+
+
+class TrainModule(ModelHooks, nn.Module):
+    """Subclass this, then hand it to ``Trainer.fit`` or the ``trainkit`` command line.
+
+    Implement ``training_step`` and ``configure_optimizers``; everything else is optional. A step
+    returns the loss, or ``{"loss": loss, "num_items": n}`` where ``loss`` is the mean over ``n``
+    items (tokens, say): the trainer then weights each micro-batch by its count so accumulated and
+    distributed steps equal one step on the whole batch.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._trainer: Trainer | None = None
+        self._hparams = AttributeDict()
+
+    # -- steps --------------------------------------------------------------------------------------
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor | Mapping[str, Any] | None:
+        raise NotImplementedError(f"{type(self).__name__} must implement training_step(batch, batch_idx).")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        """Optional. Log metrics with ``self.log``; the validation loop runs only if this is overridden."""
+
+    def test_step(self, batch: Any, batch_idx: int) -> Any:
+        """Optional. Log metrics with ``self.log``; ``trainer.test`` needs this overridden."""
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        return self(batch)
+
+    def configure_optimizers(self) -> Any:
+        """Return an optimizer, ``(optimizer, scheduler)``, or
+        ``{"optimizer": opt, "lr_scheduler": {"scheduler": s, "interval": "step" | "epoch", "frequency": 1}}``.
+        Build it over ``self.parameters()``; distributed strategies re-target it in place."""
+        raise NotImplementedError(f"{type(self).__name__} must implement configure_optimizers().")
+
+    def configure_model(self) -> None:
+        """Create layers here (instead of ``__init__``) to let sharding strategies build them on the meta
+        device and materialise only this rank's shards. Must be idempotent: it may be called again."""
+
+    # -- data (optional; a DataModule or dataloaders passed to fit take precedence) ----------------
+    def train_dataloader(self) -> DataLoader | None:
+        return None
+
+    def val_dataloader(self) -> DataLoader | None:
+        return None
+
+    def test_dataloader(self) -> DataLoader | None:
+        return None
+
+    def predict_dataloader(self) -> DataLoader | None:
+        return None
+
+    # -- logging ------------------------------------------------------------------------------------
+    def log(
+        self,
+        name: str,
+        value: Any,
+        prog_bar: bool = False,
+        logger: bool = True,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        reduce_fx: str = "mean",
+        sync_dist: bool = False,
+        batch_size: int | None = None,
+    ) -> None:
+        """Record a scalar (tensor, number or torchmetrics Metric).
+
+        Defaults follow the stage: training logs per step, validation/test per epoch. ``on_epoch``
+        aggregates with ``reduce_fx`` (mean weighted by ``batch_size``, sum, max, min); ``sync_dist``
+        reduces across ranks when the value is emitted. Metrics objects compute and reset at epoch end.
+        """
+        if self._trainer is None:
+            return
+        self._trainer._results.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist,
+                                   batch_size)
+
+    def log_dict(self, values: Mapping[str, Any], **kwargs: Any) -> None:
+        for name, value in values.items():
+            self.log(name, value, **kwargs)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self.global_rank == 0:
+            print(*args, **kwargs)
+
+    # -- hyperparameters ----------------------------------------------------------------------------
+    def save_hyperparameters(self, *names: str, ignore: str | list[str] | None = None) -> None:
+        """Record the caller's ``__init__`` arguments in ``self.hparams`` (and in checkpoints/loggers)."""
+        frame = inspect.currentframe()
+        assert frame is not None and frame.f_back is not None
+        caller = frame.f_back
+        init_args = {k: v for k, v in caller.f_locals.items() if k not in ("self", "__class__")}
+        try:
+            signature = inspect.signature(type(self).__init__)
+            params = signature.parameters
+            init_args = {k: init_args[k] for k in params if k in init_args and k != "self"}
+            for kind_name, param in params.items():
+                if param.kind is inspect.Parameter.VAR_KEYWORD and isinstance(init_args.get(kind_name), dict):
+                    init_args.update(init_args.pop(kind_name))
+        except (TypeError, ValueError):
+            pass
+        ignored = {ignore} if isinstance(ignore, str) else set(ignore or [])
+        if names:
+            init_args = {k: init_args[k] for k in names}
+        self._hparams.update({k: v for k, v in init_args.items() if k not in ignored})
+
+    @property
+    def hparams(self) -> AttributeDict:
+        return self._hparams
+
+    # -- where we are -------------------------------------------------------------------------------
+    @property
+    def trainer(self) -> Trainer:
+        if self._trainer is None:
+            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer.")
+        return self._trainer
+
+    @property
+    def device(self) -> torch.device:
+        if self._trainer is not None:
+            return self._trainer.strategy.device
+        param = next(self.parameters(), None)
+        return param.device if param is not None else torch.device("cpu")
+
+    @property
+    def global_step(self) -> int:
+        return self._trainer.global_step if self._trainer else 0
+
+    @property
+    def current_epoch(self) -> int:
+        return self._trainer.current_epoch if self._trainer else 0
+
+    @property
+    def global_rank(self) -> int:
+        return self._trainer.global_rank if self._trainer else 0
+
+    @property
+    def world_size(self) -> int:
+        return self._trainer.world_size if self._trainer else 1

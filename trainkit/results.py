@@ -1,0 +1,142 @@
+"""What ``TrainModule.log`` records, and when it becomes numbers.
+
+Logging a tensor costs a dict write (per-step values) or one fused add (per-epoch aggregates); values
+turn into Python floats, and are reduced across ranks when ``sync_dist`` asks, only at points every
+rank reaches together: the logging interval and the end of an epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+_REDUCE_FX = ("mean", "sum", "max", "min")
+
+
+@dataclass
+class _Entry:
+    prog_bar: bool
+    logger: bool
+    on_step: bool
+    on_epoch: bool
+    reduce_fx: str
+    sync_dist: bool
+    last: Any = None
+    total: Tensor | None = None
+    weight: float = 0.0
+    metric: Metric | None = None
+    epoch_value: float | None = None
+
+
+class Results:
+    """Logged values of the current stage ("train", "validate", "test", "predict")."""
+
+    def __init__(self, reduce: Callable[[Tensor, str], Tensor]) -> None:
+        self._reduce = reduce
+        self.stage = "train"
+        self._entries: dict[str, dict[str, _Entry]] = {}
+
+    @property
+    def entries(self) -> dict[str, _Entry]:
+        return self._entries.setdefault(self.stage, {})
+
+    def reset(self, stage: str) -> None:
+        self._entries[stage] = {}
+
+    def log(
+        self, name: str, value: Any, prog_bar: bool, logger: bool, on_step: bool | None,
+        on_epoch: bool | None, reduce_fx: str, sync_dist: bool, batch_size: int | None,
+    ) -> None:
+        entries = self.entries
+        entry = entries.get(name)
+        if entry is None:
+            if reduce_fx not in _REDUCE_FX:
+                raise ValueError(f"self.log({name!r}): reduce_fx={reduce_fx!r}; choose one of {_REDUCE_FX}.")
+            training = self.stage == "train"
+            entry = entries[name] = _Entry(
+                prog_bar, logger, training if on_step is None else on_step,
+                (not training) if on_epoch is None else on_epoch, reduce_fx, sync_dist,
+            )
+        if isinstance(value, Metric):
+            entry.metric = value
+            entry.last = value._forward_cache
+            return
+        if isinstance(value, Tensor):
+            value = value.detach()
+            if value.numel() != 1:
+                raise ValueError(f"self.log({name!r}) needs a scalar; got a tensor of shape {tuple(value.shape)}.")
+        elif not isinstance(value, int | float):
+            raise TypeError(f"self.log({name!r}) needs a number, a scalar tensor or a Metric; got {type(value)}.")
+        entry.last = value
+        if entry.on_epoch:
+            weight = 1.0 if batch_size is None else float(batch_size)
+            value = torch.as_tensor(value, dtype=torch.float64).reshape(())
+            fx = entry.reduce_fx
+            if entry.total is None:
+                entry.total = value * weight if fx == "mean" else value.clone()
+            elif fx == "mean":
+                entry.total = entry.total + value * weight
+            elif fx == "sum":
+                entry.total = entry.total + value
+            elif fx == "max":
+                entry.total = torch.maximum(entry.total, value)
+            else:
+                entry.total = torch.minimum(entry.total, value)
+            entry.weight += weight
+
+    def _float(self, value: Any, entry: _Entry) -> float:
+        if isinstance(value, Tensor):
+            if entry.sync_dist:
+                value = self._reduce(value.float(), entry.reduce_fx)
+            return float(value.item())
+        return float(value)
+
+    def step_metrics(self, logger_only: bool = True) -> dict[str, float]:
+        """Latest per-step values (reduced when ``sync_dist``): call at a point every rank reaches."""
+        out = {}
+        for name, e in self.entries.items():
+            if e.on_step and e.last is not None and (e.logger or not logger_only):
+                out[f"{name}_step" if e.on_epoch else name] = self._float(e.last, e)
+        return out
+
+    def epoch_metrics(self) -> dict[str, float]:
+        """Aggregate and clear this stage's per-epoch values; every rank must call it."""
+        out = {}
+        for name, e in self.entries.items():
+            if not e.on_epoch:
+                continue
+            key = f"{name}_epoch" if e.on_step else name
+            if e.metric is not None and e.metric.update_count:
+                out[key] = float(e.metric.compute())
+                e.metric.reset()
+            elif e.total is not None:
+                total, weight = e.total, e.weight
+                if e.sync_dist:
+                    if e.reduce_fx == "mean":
+                        pair = self._reduce(torch.stack([total, torch.tensor(weight, dtype=total.dtype)]), "sum")
+                        total, weight = pair[0], pair[1]
+                    else:
+                        total = self._reduce(total, e.reduce_fx)
+                out[key] = float(total / weight) if e.reduce_fx == "mean" else float(total)
+                e.total, e.weight = None, 0.0
+            if key in out:
+                e.epoch_value = out[key]
+        return out
+
+    def local_values(self, prog_bar_only: bool) -> dict[str, float]:
+        """Latest values on this rank (no communication): for progress bars and callbacks."""
+        out = {}
+        for stage in self._entries.values():
+            for name, e in stage.items():
+                if prog_bar_only and not e.prog_bar:
+                    continue
+                if e.on_step and e.last is not None:
+                    out[name] = float(e.last)
+                if e.epoch_value is not None:
+                    out[f"{name}_epoch" if e.on_step else name] = e.epoch_value
+        return out

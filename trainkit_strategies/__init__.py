@@ -1,0 +1,19 @@
+"""trainkit's distributed strategies, on torch.distributed collectives. Never imports trainkit."""
+
+from trainkit_strategies.base import Environment, MemoryReport, ShardedInit, Strategy
+from trainkit_strategies.precision import DynamicLossScaler, Precision
+from trainkit_strategies.registry import available, get_strategy, strategy_class
+from trainkit_strategies.single import SingleStrategy
+
+__all__ = [
+    "DynamicLossScaler",
+    "Environment",
+    "MemoryReport",
+    "Precision",
+    "ShardedInit",
+    "SingleStrategy",
+    "Strategy",
+    "available",
+    "get_strategy",
+    "strategy_class",
+]

@@ -1,0 +1,313 @@
+"""The Strategy contract: plain torch in, plain torch out.
+
+A strategy owns everything between "the user's module and optimizer" and "one optimizer step on a
+global batch": placement, sharding, gradient reduction, clipping, the step itself, and how its
+state maps to universal checkpoints. It never imports trainkit, so it can be driven by hand::
+
+    strategy = get_strategy("ddp")
+    strategy.setup_environment(Environment.from_env("cpu"))
+    strategy.setup(model, torch.optim.AdamW(model.parameters()), Precision.from_name("32"))
+    loss = model(x).mean(); strategy.backward(loss)
+    strategy.reduce_gradients(1.0 / strategy.world_size); strategy.optimizer_step(); strategy.zero_grad()
+
+Optional abilities are separate small interfaces at the bottom of this file; callers test for them
+with ``isinstance(strategy, Capability)`` and never for a concrete strategy class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from trainkit_strategies import state as st
+from trainkit_strategies.precision import Precision
+
+
+@dataclass(frozen=True)
+class Environment:
+    """Where this process sits: its device and its place among the ranks.
+
+    Attributes:
+        device: the device this rank computes on.
+        rank: global rank. local_rank: rank on this node. world_size: number of ranks.
+        master_addr, master_port: rendezvous address of rank 0 (unused when ``world_size == 1``).
+        timeout_s: how long a collective may wait for a peer before it fails.
+    """
+
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    timeout_s: float = 1800.0
+
+    @staticmethod
+    def resolve_device(accelerator: str, local_rank: int = 0) -> torch.device:
+        if accelerator == "auto":
+            accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+        if accelerator == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("accelerator='cuda' was requested but CUDA is not available; use 'cpu'.")
+            return torch.device("cuda", local_rank % torch.cuda.device_count())
+        if accelerator == "cpu":
+            return torch.device("cpu")
+        raise ValueError(f"Unknown accelerator {accelerator!r}; choose 'cpu', 'cuda' or 'auto'.")
+
+    @classmethod
+    def from_env(cls, accelerator: str = "auto", timeout_s: float = 1800.0) -> Environment:
+        """Read RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (torchrun's variables)."""
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        return cls(
+            device=cls.resolve_device(accelerator, local_rank),
+            rank=int(os.environ.get("RANK", 0)),
+            local_rank=local_rank,
+            world_size=int(os.environ.get("WORLD_SIZE", 1)),
+            master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(os.environ.get("MASTER_PORT", 29500)),
+            timeout_s=timeout_s,
+        )
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes of live tensors held by this rank, per category, on the device and in host memory.
+
+    Categories: ``params`` (working parameters), ``grads``, ``master`` (fp32 master copies kept beside
+    low-precision params), ``optimizer`` (optimizer state), ``buffers``. Tensors sharing a storage are
+    counted once.
+    """
+
+    device: dict[str, int]
+    host: dict[str, int]
+
+    @property
+    def device_total(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+    @classmethod
+    def of(cls, device: dict[str, Iterable[Tensor]], host: dict[str, Iterable[Tensor]] | None = None) -> MemoryReport:
+        seen: set[int] = set()
+
+        def count(tensors: Iterable[Tensor]) -> int:
+            total = 0
+            for t in tensors:
+                storage = t.untyped_storage()
+                if storage.data_ptr() in seen or t.device.type == "meta":
+                    continue
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+            return total
+
+        return cls({k: count(v) for k, v in device.items()}, {k: count(v) for k, v in (host or {}).items()})
+
+
+class Strategy(ABC):
+    """Base class of every strategy.
+
+    Subclasses implement the abstract methods; the defaults here are the replicated case (every rank
+    holds whole parameters and whole gradients), so a replicated strategy only adds communication.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self) -> None:
+        self.env = Environment()
+        self.module: nn.Module | None = None
+        self.optimizer: Optimizer | None = None
+        self.precision = Precision.from_name("32")
+        self._group_names: list[list[str]] = []
+
+    # -- environment -------------------------------------------------------------------------------
+    def setup_environment(self, env: Environment) -> None:
+        """Join the process group (if any) and pin the device."""
+        self.env = env
+        if env.device.type == "cuda":
+            torch.cuda.set_device(env.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.env.device
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.env.rank == 0
+
+    # -- model and optimizer -----------------------------------------------------------------------
+    def setup(self, module: nn.Module, optimizer: Optimizer | None, precision: Precision) -> None:
+        """Place (and shard) ``module``; re-target ``optimizer`` in place onto what this rank owns.
+
+        The optimizer object stays the user's (LR schedulers hold a reference to it); a sharded
+        strategy replaces the tensors in each param group and keeps every group's hyperparameters.
+        """
+        self.module, self.optimizer, self.precision = module, optimizer, precision
+        if optimizer is not None:
+            self._group_names = st.group_names_of(optimizer, st.param_names(module))
+        module.to(device=self.device)
+        if precision.param_dtype != torch.float32:
+            module.to(dtype=precision.param_dtype)
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return self.precision.forward_context(self.device)
+
+    def backward(self, loss: Tensor) -> None:
+        loss.backward()
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Context for accumulation micro-steps: skip gradient communication the algorithm can defer."""
+        return contextlib.nullcontext()
+
+    def reduce_gradients(self, scale: float | Tensor) -> None:
+        """Finish this window's gradient reduction (sum over ranks) and multiply the result by ``scale``.
+
+        ``scale`` folds together the loss normalisation (1/W for a plain mean, or c/N for ``num_items``)
+        and the loss-scaler's unscale, so gradients are touched once.
+        """
+        self._scale_local_grads(scale)
+
+    def gradients(self) -> list[Tensor]:
+        """The gradient tensors this rank holds (whole or shards), for norms and scaling."""
+        assert self.module is not None
+        return [p.grad for p in self.module.parameters() if p.grad is not None]
+
+    def grad_norm(self, norm_type: float = 2.0) -> Tensor:
+        """The global gradient norm: shards combined across ranks where the strategy shards."""
+        return _local_norm(self.gradients(), norm_type, self.device)
+
+    def scale_grads(self, factor: float | Tensor) -> None:
+        self._scale_local_grads(factor)
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0, norm: Tensor | None = None) -> Tensor:
+        """Clip by the global norm, as torch.nn.utils.clip_grad_norm_ does; returns the norm."""
+        if norm is None:
+            norm = self.grad_norm(norm_type)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        self.scale_grads(coef)
+        return norm
+
+    def clip_grad_value(self, value: float) -> None:
+        grads = self.gradients()
+        if grads:
+            torch._foreach_clamp_min_(grads, -value)
+            torch._foreach_clamp_max_(grads, value)
+
+    def optimizer_step(self) -> None:
+        assert self.optimizer is not None
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        assert self.optimizer is not None
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _scale_local_grads(self, factor: float | Tensor) -> None:
+        if isinstance(factor, float | int) and factor == 1.0:
+            return
+        grads = self.gradients()
+        if not grads:
+            return
+        if isinstance(factor, Tensor):
+            factor = factor.to(grads[0].device)
+        torch._foreach_mul_(grads, factor)
+
+    # -- collectives for metrics and control flow (identity on one rank) ---------------------------
+    def reduce(self, tensor: Tensor, op: str = "mean") -> Tensor:
+        return tensor
+
+    def all_gather(self, tensor: Tensor) -> Tensor:
+        return tensor.unsqueeze(0)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def barrier(self) -> None:
+        return None
+
+    # -- state -------------------------------------------------------------------------------------
+    def state_layout(self) -> st.StateLayout:
+        """Describe the model and optimizer state this rank holds (replicated: everything, whole)."""
+        assert self.module is not None
+        names = st.param_names(self.module)
+        writer = self.is_global_zero
+        model = [st.whole_holder(n, p, writer) for p, n in names.items()]
+        buffers = st.persistent_buffers(self.module)
+        model += [st.whole_holder(n, b, writer) for n, b in buffers]
+        shapes = {n: tuple(p.shape) for p, n in names.items()} | {n: tuple(b.shape) for n, b in buffers}
+        holders = []
+        if self.optimizer is not None:
+            holders = [st.whole_holder(names[p], p, writer) for g in self.optimizer.param_groups for p in g["params"]]
+        return st.StateLayout(shapes, model, self.optimizer, holders, self._group_names)
+
+    def state_pieces(self) -> list[st.Piece]:
+        return st.collect_pieces(self.state_layout())
+
+    def optimizer_groups(self) -> list[dict]:
+        """Param groups as names plus hyperparameters (JSON-ready)."""
+        if self.optimizer is None:
+            return []
+        hyper = st.group_hyperparameters(self.optimizer)
+        return [{"params": names, **h} for names, h in zip(self._group_names, hyper, strict=True)]
+
+    def load_state(self, reader: st.Reader, groups: Sequence[dict] | None) -> None:
+        """Fill model (and, when ``groups`` is given, optimizer) state from any checkpoint's ranges."""
+        layout = self.state_layout()
+        st.load_model(layout, reader)
+        if groups is not None:
+            st.load_optimizer(layout, reader, groups)
+        self._after_load()
+
+    def _after_load(self) -> None:
+        """Hook for strategies whose working copies derive from loaded masters."""
+
+    def memory_report(self) -> MemoryReport:
+        assert self.module is not None
+        opt_state = [] if self.optimizer is None else [
+            t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, Tensor)
+        ]
+        return MemoryReport.of({
+            "params": list(self.module.parameters()),
+            "grads": self.gradients(),
+            "master": [],
+            "optimizer": opt_state,
+            "buffers": list(self.module.buffers()),
+        })
+
+    def teardown(self) -> None:
+        """Release communication resources; the module stays usable on this rank."""
+
+
+def _local_norm(grads: list[Tensor], norm_type: float, device: torch.device) -> Tensor:
+    if not grads:
+        return torch.zeros((), device=device)
+    norms = torch._foreach_norm(grads, norm_type)
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
+
+
+# -- capabilities ----------------------------------------------------------------------------------
+class ShardedInit(ABC):
+    """The strategy can build the model on the meta device and materialise only this rank's shards."""
+
+    @abstractmethod
+    def init_context(self) -> contextlib.AbstractContextManager: ...

@@ -1,0 +1,40 @@
+"""Strategy names -> classes. Third-party strategies register through the entry-point group
+``trainkit.strategies`` (``name = "package.module:Class"``)."""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+from typing import Any
+
+from trainkit_strategies.base import Strategy
+
+_BUILTIN = {
+    "single": "trainkit_strategies.single:SingleStrategy",
+}
+
+
+def _load(target: str) -> type[Strategy]:
+    module_name, _, attr = target.partition(":")
+    module = __import__(module_name, fromlist=[attr])
+    return getattr(module, attr)
+
+
+def available() -> dict[str, str]:
+    """Every known name with its ``module:Class`` target; built-ins win over plugins of the same name."""
+    found = {ep.name: ep.value for ep in entry_points(group="trainkit.strategies")}
+    return found | _BUILTIN
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    targets = available()
+    if name not in targets:
+        raise ValueError(f"Unknown strategy {name!r}. Valid strategies: {', '.join(sorted(targets))}.")
+    cls = _load(targets[name])
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+        raise TypeError(f"Strategy {name!r} resolves to {targets[name]}, which is not a Strategy subclass.")
+    return cls
+
+
+def get_strategy(name: str, **options: Any) -> Strategy:
+    """Build the strategy registered as ``name`` with its constructor options."""
+    return strategy_class(name)(**options)

@@ -1,0 +1,19 @@
+"""One process, one device: the reference every other strategy is held to."""
+
+from __future__ import annotations
+
+from trainkit_strategies.base import Environment, Strategy
+
+
+class SingleStrategy(Strategy):
+    """Train on one device in one process. The replicated defaults of ``Strategy`` are the algorithm."""
+
+    name = "single"
+
+    def setup_environment(self, env: Environment) -> None:
+        if env.world_size != 1:
+            raise ValueError(
+                f"Strategy 'single' runs one process, but this run has world_size={env.world_size}. "
+                "Use --trainer.strategy ddp (or another distributed strategy) for several processes."
+            )
+        super().setup_environment(env)
