@@ -15,9 +15,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
+from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, lazy_instance
 
 from trainkit.data import DataModule
+from trainkit.demo.gpt import DemoGPT
 from trainkit.module import TrainModule
 from trainkit.trainer import Trainer
 from trainkit_strategies.registry import available
@@ -39,7 +40,7 @@ def _subcommand_parser(name: str, model_class: type[TrainModule] | None,
     parser.add_argument("-c", "--config", action=ActionConfigFile, help="YAML config file (see --print_config).")
     parser.add_class_arguments(Trainer, "trainer", fail_untyped=False, instantiate=False)
     if model_class is None:
-        parser.add_subclass_arguments(TrainModule, "model", required=False,
+        parser.add_subclass_arguments(TrainModule, "model", required=False, default=lazy_instance(DemoGPT),
                                       help="TrainModule class path (default: the embedded TinyGPT demo).")
     else:
         parser.add_class_arguments(model_class, "model")
@@ -89,12 +90,10 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
 
 def _instantiate(parser: ArgumentParser, cfg: Namespace, subcommand: str) -> tuple[Trainer, TrainModule, Any]:
     sub_cfg = cfg[subcommand]
-    is_demo = sub_cfg.get("model") is None
-    if is_demo:
-        sub_cfg.model = Namespace(class_path=DEMO_MODEL, init_args=Namespace())
-        if sub_cfg.get("data") is None:
-            sub_cfg.data = Namespace(class_path=DEMO_DATA, init_args=Namespace())
-    init = parser.instantiate_classes(cfg)[subcommand]
+    is_demo = sub_cfg.model.class_path == DEMO_MODEL
+    if is_demo and sub_cfg.get("data") is None:
+        sub_cfg.data = Namespace(class_path=DEMO_DATA, init_args=Namespace())
+    init = parser.instantiate(cfg)[subcommand]
     model, data = init.model, init.data
     trainer_args = dict(init.trainer)
     if is_demo:
@@ -129,7 +128,7 @@ def _save_config(trainer: Trainer, parser: ArgumentParser, cfg: Namespace) -> No
     if trainer.is_global_zero and trainer.logger is not None:
         log_dir = trainer.logger.log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
-        (log_dir / "config.yaml").write_text(parser.dump(cfg, skip_none=False, skip_check=True))
+        (log_dir / "config.yaml").write_text(parser.dump(cfg, skip_validation=True))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ batch one process with batch ``W*b`` would see, which is what makes strategy par
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -90,12 +90,18 @@ class ResumableSampler(Sampler[int]):
         yield from order[: total][self.rank :: self.world_size][start:].tolist()
 
 
-def rebuild_loader(loader: DataLoader, shuffle: bool | None, seed: int, rank: int, world_size: int) -> DataLoader:
+def rebuild_loader(loader: Iterable[Any], shuffle: bool | None, seed: int, rank: int, world_size: int) -> Iterable[Any]:
     """Swap a loader's default sampler for a ``ResumableSampler``; other loaders pass through.
 
-    Loaders with a custom sampler or batch sampler, or over an IterableDataset, are left alone: they
-    resume by skipping batches, and sharding across ranks is theirs to do.
+    Loaders with a custom sampler or batch sampler, over an IterableDataset, or any other iterable of
+    batches (a list, say) are left alone: they resume by skipping batches, and sharding across ranks
+    is theirs to do.
     """
+    if not isinstance(loader, DataLoader):
+        if world_size > 1:
+            rank_zero_warn("A dataloader is a plain iterable, so trainkit cannot shard it by rank: make sure each "
+                           "rank reads its own part of the data.")
+        return loader
     default_sampler = type(loader.sampler) in (SequentialSampler, RandomSampler)
     if isinstance(loader.dataset, IterableDataset) or loader.batch_size is None or not default_sampler:
         if world_size > 1 and not isinstance(getattr(loader, "sampler", None), ResumableSampler):
@@ -120,7 +126,7 @@ def rebuild_loader(loader: DataLoader, shuffle: bool | None, seed: int, rank: in
     return DataLoader(loader.dataset, **kwargs)
 
 
-def num_batches(loader: DataLoader, limit: int | float | None) -> float:
+def num_batches(loader: Iterable[Any], limit: int | float | None) -> float:
     """Batches per epoch after ``limit`` (an int count or a fraction); ``inf`` when unknown."""
     try:
         total: float = len(loader)

@@ -12,12 +12,13 @@ because ``N`` is what it actually held.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+from torch.optim.lr_scheduler import ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
 from trainkit.data import ResumableSampler, num_batches
@@ -36,9 +37,9 @@ def _unpack(output: Any) -> tuple[Tensor | None, Any]:
     raise TypeError(f"training_step must return a loss tensor, a dict with 'loss', or None; got {type(output)}.")
 
 
-def _iterate(loader: DataLoader, epoch: int, seed: int, skip_batches: int) -> Iterator[Any]:
+def _iterate(loader: Iterable[Any], epoch: int, seed: int, skip_batches: int) -> Iterator[Any]:
     """An epoch's batches, starting ``skip_batches`` in; ResumableSampler skips without loading."""
-    sampler = loader.sampler
+    sampler = getattr(loader, "sampler", None)
     if isinstance(sampler, ResumableSampler):
         sampler.set_epoch(epoch)
         sampler.skip(skip_batches * loader.batch_size)
@@ -149,10 +150,7 @@ class FitLoop:
         self._log(t._results.epoch_metrics())
         self.epoch_done = True
         t._call("on_train_epoch_end")
-        cfg = t.optimizer_config
-        if cfg is not None and cfg.scheduler is not None and cfg.interval == "epoch":
-            if (self.epoch + 1) % cfg.frequency == 0:
-                self._step_scheduler()
+        self._step_scheduler("epoch", self.epoch + 1)
         self.epoch, self.batch_idx, self.epoch_done, self._val_marker = self.epoch + 1, 0, False, 0
 
     def _micro_step(self, batch: Any, batch_idx: int, boundary: bool, k: int) -> Any:
@@ -230,10 +228,8 @@ class FitLoop:
         strategy.zero_grad()
         self.global_step += 1
         self.batch_idx = batch_idx
-        cfg = t.optimizer_config
-        if cfg is not None and cfg.scheduler is not None and cfg.interval == "step":
-            if self.global_step % cfg.frequency == 0:
-                self._step_scheduler()
+        if not skip:  # a step skipped for overflow does not advance the LR schedule
+            self._step_scheduler("step", self.global_step)
         if self.global_step % t.log_every_n_steps == 0:
             self._log(t._results.step_metrics())
         if batch_idx // val_every > self._val_marker:
@@ -241,11 +237,11 @@ class FitLoop:
             t.eval_loop.run("validate", t.val_dataloaders, t.limit_val_batches)
             t._results.stage = "train"
 
-    def _step_scheduler(self) -> None:
-        from torch.optim.lr_scheduler import ReduceLROnPlateau
-
+    def _step_scheduler(self, interval: str, count: int) -> None:
+        """Step the LR scheduler if it runs on this ``interval`` and ``count`` hits its frequency."""
         cfg = self.trainer.optimizer_config
-        assert cfg is not None and cfg.scheduler is not None
+        if cfg is None or cfg.scheduler is None or cfg.interval != interval or count % cfg.frequency:
+            return
         if isinstance(cfg.scheduler, ReduceLROnPlateau):
             metrics = self.trainer.callback_metrics
             if cfg.monitor not in metrics:

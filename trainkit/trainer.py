@@ -71,7 +71,7 @@ class Trainer:
         self,
         *,
         accelerator: str = "auto",
-        strategy: str | Strategy = "auto",
+        strategy: Strategy | str = "auto",
         devices: int = 1,
         num_nodes: int = 1,
         precision: str = "32",

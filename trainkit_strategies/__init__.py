@@ -1,11 +1,13 @@
 """trainkit's distributed strategies, on torch.distributed collectives. Never imports trainkit."""
 
-from trainkit_strategies.base import Environment, MemoryReport, ShardedInit, Strategy
+from trainkit_strategies.base import Environment, ShardedInit, Strategy
+from trainkit_strategies.memory import ActivationMeter, MemoryReport
 from trainkit_strategies.precision import DynamicLossScaler, Precision
 from trainkit_strategies.registry import available, get_strategy, strategy_class
 from trainkit_strategies.single import SingleStrategy
 
 __all__ = [
+    "ActivationMeter",
     "DynamicLossScaler",
     "Environment",
     "MemoryReport",

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
+from trainkit_strategies.memory import MemoryReport
 from trainkit_strategies.precision import Precision
 
 
@@ -75,43 +76,6 @@ class Environment:
             master_port=int(os.environ.get("MASTER_PORT", 29500)),
             timeout_s=timeout_s,
         )
-
-
-@dataclass(frozen=True)
-class MemoryReport:
-    """Bytes of live tensors held by this rank, per category, on the device and in host memory.
-
-    Categories: ``params`` (working parameters), ``grads``, ``master`` (fp32 master copies kept beside
-    low-precision params), ``optimizer`` (optimizer state), ``buffers``. Tensors sharing a storage are
-    counted once.
-    """
-
-    device: dict[str, int]
-    host: dict[str, int]
-
-    @property
-    def device_total(self) -> int:
-        return sum(self.device.values())
-
-    @property
-    def host_total(self) -> int:
-        return sum(self.host.values())
-
-    @classmethod
-    def of(cls, device: dict[str, Iterable[Tensor]], host: dict[str, Iterable[Tensor]] | None = None) -> MemoryReport:
-        seen: set[int] = set()
-
-        def count(tensors: Iterable[Tensor]) -> int:
-            total = 0
-            for t in tensors:
-                storage = t.untyped_storage()
-                if storage.data_ptr() in seen or t.device.type == "meta":
-                    continue
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-            return total
-
-        return cls({k: count(v) for k, v in device.items()}, {k: count(v) for k, v in (host or {}).items()})
 
 
 class Strategy(ABC):

@@ -214,9 +214,8 @@ def load_optimizer(layout: StateLayout, reader: Reader, groups: Sequence[dict]) 
         if key.startswith("optim/"):
             name, _, state_key = key[6:].rpartition("/")
             state_keys.setdefault(name, []).append(state_key)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
     torch_state: dict[int, dict[str, Tensor]] = {}
-    for index, (param, holder) in enumerate(zip(params, layout.optimizer_holders, strict=True)):
+    for index, holder in enumerate(layout.optimizer_holders):
         names = [s.name for s in holder.segments]
         keys = state_keys.get(names[0], [])
         if not keys:

@@ -1,0 +1,16 @@
+"""Benchmarks run in their smoke mode (they print ratios; timings are never asserted)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_trainer_overhead_smoke():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "trainer_overhead.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "raw PyTorch loop" in proc.stdout and "Trainer (logger/bar/ckpt off)" in proc.stdout

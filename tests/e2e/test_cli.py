@@ -1,0 +1,79 @@
+"""The command line: the demo run, TensorBoard output, config round-trips and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from trainkit.cli import main, normalize_argv
+
+SMALL_DEMO = [
+    "--data", "trainkit.demo.markov.MarkovData", "--data.train_sequences", "320", "--data.val_sequences", "64",
+    "--trainer.max_steps", "20", "--trainer.val_check_interval", "10", "--trainer.log_every_n_steps", "5",
+    "--trainer.enable_progress_bar", "false",
+]
+
+
+def test_demo_fit_writes_tensorboard_scalars(tmp_path, capsys):
+    main(args=["fit", "--trainer.default_root_dir", str(tmp_path), *SMALL_DEMO])
+    out = capsys.readouterr().out
+    assert "Markov entropy floor H =" in out
+    run = tmp_path / "runs" / "trainkit" / "version_0"
+    events = EventAccumulator(str(run))
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    assert {"train_loss", "val_loss", "val_excess"} <= set(scalars)
+    assert [e.step for e in events.Scalars("train_loss")] == [5, 10, 15, 20]
+    assert [e.step for e in events.Scalars("val_loss")] == [10, 20]
+    losses = [e.value for e in events.Scalars("train_loss")]
+    assert all(2.0 < v < 3.0 for v in losses)  # near ln(16) = 2.77 at the start of training
+    assert (run / "config.yaml").is_file()
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "epoch=1-step=20"
+
+
+def test_print_config_round_trips_through_config(tmp_path, capsys):
+    args = ["fit", "--trainer.max_steps", "7", "--trainer.precision", "bf16-mixed", "--model.lr", "0.01",
+            "--trainer.strategy", "single", "--print_config"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args=args)
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    config = yaml.safe_load(printed)
+    assert config["trainer"]["max_steps"] == 7
+    assert config["trainer"]["precision"] == "bf16-mixed"
+    assert config["trainer"]["strategy"]["class_path"] == "trainkit_strategies.single.SingleStrategy"
+    path = tmp_path / "config.yaml"
+    path.write_text(printed)
+    with pytest.raises(SystemExit):
+        main(args=["fit", "--config", str(path), "--print_config"])
+    assert yaml.safe_load(capsys.readouterr().out) == config
+
+
+def test_subcommand_position_does_not_matter():
+    assert normalize_argv(["--trainer.max_steps", "3", "fit"])[0] == "fit"
+    assert normalize_argv(["--config", "x.yaml", "validate"])[:3] == ["validate", "--config", "x.yaml"]
+
+
+def test_unknown_strategy_lists_valid_ones(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(args=["fit", "--trainer.strategy", "zero9", "--trainer.default_root_dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Unknown strategy 'zero9'" in err and "single" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--trainer.max_steps", "many"], "max_steps"),
+        (["--trainer.precision", "fp8"], "Unknown precision 'fp8'"),
+        (["--trainer.accumulate_grad_batches", "0"], "accumulate_grad_batches must be >= 1"),
+        (["--trainer.bogus", "1"], "bogus"),
+    ],
+)
+def test_bad_values_fail_with_a_clear_message(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(args=["fit", "--trainer.default_root_dir", str(tmp_path), *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,123 @@
+"""Small modules and data shared by the tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import trainkit as tk
+from trainkit.callbacks import Callback
+
+
+def regression_data(n: int = 64, dim: int = 8, seed: int = 0) -> TensorDataset:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=gen)
+    w = torch.randn(dim, 1, generator=gen)
+    return TensorDataset(x, x @ w + 0.1 * torch.randn(n, 1, generator=gen))
+
+
+def mlp(dim: int = 8, hidden: int = 16, dropout: float = 0.0, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(dim, hidden), nn.Tanh(), nn.Dropout(dropout), nn.Linear(hidden, 1))
+
+
+def adamw_groups(model: nn.Module, lr: float = 1e-2) -> torch.optim.AdamW:
+    """Two param groups with different weight decay (biases undecayed), as users write them."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=lr)
+
+
+class Regression(tk.TrainModule):
+    """MSE regression on an MLP; optional dropout (exercises RNG) and a step LR scheduler."""
+
+    def __init__(self, dim: int = 8, hidden: int = 16, dropout: float = 0.0, lr: float = 1e-2,
+                 scheduler: bool = False, seed: int = 0) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = mlp(dim, hidden, dropout, seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self(x).float(), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x).float(), y))
+
+    def configure_optimizers(self) -> Any:
+        opt = adamw_groups(self, self.hparams.lr)
+        if not self.hparams.scheduler:
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class MaskedSequences(Dataset):
+    """Sequences with a variable number of valid positions (the rest padding): ``num_items`` varies."""
+
+    def __init__(self, n: int = 48, length: int = 6, dim: int = 8, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, length, dim, generator=gen)
+        self.y = torch.randn(n, length, 1, generator=gen)
+        lengths = torch.randint(0, length + 1, (n,), generator=gen)
+        self.mask = torch.arange(length)[None, :] < lengths[:, None]
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i], self.mask[i]
+
+
+def masked_loss(net: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean squared error over the valid positions, and their count."""
+    x, y, mask = batch
+    err = (net(x) - y).pow(2).squeeze(-1)
+    n = mask.sum()
+    return (err * mask).sum() / n.clamp(min=1), n
+
+
+class MaskedRegression(tk.TrainModule):
+    def __init__(self, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.lr = lr
+        self.net = mlp()
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        loss, n = masked_loss(self.net, batch)
+        return {"loss": loss, "num_items": n}
+
+    def configure_optimizers(self) -> Any:
+        return adamw_groups(self.net, self.lr)
+
+
+class Recorder(Callback):
+    """Records each micro-batch's loss (as returned) and the step it belonged to."""
+
+    def __init__(self) -> None:
+        self.losses: list[tuple[int, float]] = []
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append((trainer.global_step, loss.item()))
+
+
+def quiet_trainer(tmp_path: Any, **kwargs: Any) -> tk.Trainer:
+    """A Trainer with no logger, progress bar or checkpointing unless asked for."""
+    defaults: dict[str, Any] = dict(logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                                    num_sanity_val_steps=0, default_root_dir=tmp_path, max_epochs=1)
+    return tk.Trainer(**(defaults | kwargs))
+
+
+def loader(dataset: Dataset, batch_size: int, shuffle: bool = False) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle)

@@ -1,0 +1,87 @@
+"""Logging aggregation, configure_optimizers forms, precision policies, the loss scaler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchmetrics import MeanMetric
+
+from trainkit.optim import parse_optimizers
+from trainkit.results import Results
+from trainkit_strategies import DynamicLossScaler, Precision
+
+
+def _results() -> Results:
+    return Results(lambda t, op: t)
+
+
+def test_epoch_mean_is_weighted_by_batch_size():
+    r = _results()
+    r.stage = "validate"
+    r.log("loss", torch.tensor(1.0), False, True, None, None, "mean", False, 1)
+    r.log("loss", torch.tensor(4.0), False, True, None, None, "mean", False, 3)
+    assert r.epoch_metrics() == {"loss": pytest.approx(3.25)}
+
+
+def test_train_defaults_log_per_step_and_both_get_suffixes():
+    r = _results()
+    r.log("a", torch.tensor(2.0), True, True, None, None, "mean", False, None)
+    r.log("b", 3.0, False, True, True, True, "max", False, None)
+    r.log("b", 5.0, False, True, True, True, "max", False, None)
+    assert r.step_metrics() == {"a": 2.0, "b_step": 5.0}
+    assert r.epoch_metrics() == {"b_epoch": 5.0}
+    assert r.local_values(prog_bar_only=True) == {"a": 2.0}
+
+
+def test_torchmetrics_compute_and_reset_at_epoch_end():
+    r = _results()
+    r.stage = "validate"
+    metric = MeanMetric()
+    for v in (1.0, 2.0, 6.0):
+        metric(torch.tensor(v))
+        r.log("m", metric, False, True, None, None, "mean", False, None)
+    assert r.epoch_metrics() == {"m": 3.0}
+    assert metric.update_count == 0
+
+
+def test_bad_log_values_are_named():
+    r = _results()
+    with pytest.raises(ValueError, match="'x'.*scalar"):
+        r.log("x", torch.ones(3), False, True, None, None, "mean", False, None)
+    with pytest.raises(ValueError, match="reduce_fx"):
+        r.log("y", 1.0, False, True, None, None, "median", False, None)
+
+
+def test_configure_optimizers_forms():
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    assert parse_optimizers(opt).scheduler is None
+    assert parse_optimizers(([opt], [sched])).scheduler is sched
+    cfg = parse_optimizers({"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}})
+    assert (cfg.scheduler, cfg.interval) == (sched, "step")
+    with pytest.raises(ValueError, match="interval"):
+        parse_optimizers({"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "hour"}})
+    with pytest.raises(ValueError, match="one optimizer"):
+        parse_optimizers(([opt, opt], []))
+
+
+def test_precision_policies():
+    assert Precision.from_name("32").compute_dtype is None
+    assert Precision.from_name("bf16-mixed").compute_dtype is torch.bfloat16
+    assert Precision.from_name("16-mixed").loss_scaling
+    assert Precision.from_name("bf16-true").param_dtype is torch.bfloat16
+    with pytest.raises(ValueError, match="Unknown precision 'fp8'"):
+        Precision.from_name("fp8")
+
+
+def test_loss_scaler_backs_off_and_grows():
+    s = DynamicLossScaler(init_scale=8.0, growth_interval=2)
+    s.update(found_inf=True)
+    assert s.scale == 4.0
+    s.update(False)
+    s.update(False)
+    assert s.scale == 8.0
+    restored = DynamicLossScaler()
+    restored.load_state_dict(s.state_dict())
+    assert restored.state_dict() == s.state_dict()
