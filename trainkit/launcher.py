@@ -68,9 +68,18 @@ def _command() -> list[str]:
     return [sys.executable, *sys.argv]
 
 
+def _threads_per_rank(devices: int) -> int:
+    """CPU threads per local rank so N ranks do not oversubscribe the cores (torchrun uses 1)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // devices)
+
+
 def _launch(devices: int) -> None:
     port = str(free_port())
-    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(devices)}
+    threads = os.environ.get("OMP_NUM_THREADS") or str(_threads_per_rank(devices))
+    torch.set_num_threads(int(threads))
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(devices),
+            "OMP_NUM_THREADS": threads}
     for rank in range(1, devices):
         env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "TRAINKIT_LAUNCHED": "1"}
         _children.append(subprocess.Popen(_command(), env=env))

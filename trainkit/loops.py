@@ -3,10 +3,11 @@
 Loss normalisation (DESIGN.md, "Accumulation"): a micro-batch's step returns a loss that is the mean
 over its ``n`` items (``n = 1`` when no ``num_items`` is given). The objective of one optimizer step is
 ``sum_i n_i L_i / N`` over the window's micro-batches on every rank, ``N = sum_i n_i``. Each
-micro-batch back-propagates ``L_i * n_i / c`` with ``c`` fixed at the window's first micro-batch (its
-count times the accumulation factor, so gradients stay near unit scale for fp16), and after the
-cross-rank sum the strategy multiplies gradients by ``c / N`` once. A short final window is exact
-because ``N`` is what it actually held.
+micro-batch back-propagates ``L_i * n_i / c``, and after the cross-rank sum the strategy multiplies
+gradients by ``c / N`` once. ``c`` must be the same on every rank (the sum mixes their gradients): for
+plain losses it is the accumulation factor ``k``; with ``num_items`` it is fixed for the whole run at
+``k`` times the largest first micro-batch count over ranks (one scalar collective, once), which keeps
+gradients near unit scale for fp16. A short final window is exact because ``N`` is what it held.
 """
 
 from __future__ import annotations
@@ -65,18 +66,19 @@ class FitLoop:
         self.epoch_done = False
         self._val_marker = 0
         self._window = 0
-        self._window_count: Any = 0
-        self._window_norm: Any = 1.0
-        self._items: Any = None  # num_items of the window's first micro-batch; None for plain losses
+        self._window_count: Any = 0  # micro-batches (plain losses) or items (num_items) in the window
+        self._item_weighted = False
+        self._items_norm: float | None = None  # c: k times the first micro-batch's item count (max over ranks)
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "global_step": self.global_step, "batch_idx": self.batch_idx,
-                "epoch_done": self.epoch_done, "val_marker": self._val_marker}
+                "epoch_done": self.epoch_done, "val_marker": self._val_marker, "items_norm": self._items_norm}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.global_step = state["epoch"], state["global_step"]
         self.batch_idx, self.epoch_done = state["batch_idx"], state["epoch_done"]
         self._val_marker = state.get("val_marker", 0)
+        self._items_norm = state.get("items_norm")
         if self.epoch_done:
             self.epoch, self.batch_idx, self.epoch_done, self._val_marker = self.epoch + 1, 0, False, 0
 
@@ -167,20 +169,19 @@ class FitLoop:
                                        "must produce a loss at every step (return a zero loss to skip).")
                 return outputs
             if self._window == 0:
-                self._items = n
-            elif (n is None) != (self._items is None):
+                self._item_weighted = n is not None
+            elif (n is not None) != self._item_weighted:
                 raise ValueError("training_step returned num_items for some micro-batches of a window but not "
                                  "for others; return it always or never.")
             if n is None:
                 weight: Any = 1.0 / k
                 self._window_count += 1
             else:
-                if self._window == 0:
-                    n0 = n.detach().clamp(min=1) if isinstance(n, Tensor) else max(n, 1)
-                    self._window_norm = n0 * k
-                    self._window_count = 0
+                if self._items_norm is None:
+                    first = torch.as_tensor(n, dtype=torch.float64, device=strategy.device).clamp(min=1)
+                    self._items_norm = float(strategy.reduce(first, "max")) * k
                 self._window_count = self._window_count + n
-                weight = n / self._window_norm
+                weight = n / self._items_norm
             if t.scaler is not None:
                 weight = weight * t.scaler.scale
             for fn in t._hooks["on_before_backward"]:
@@ -196,14 +197,13 @@ class FitLoop:
         """The optimizer boundary: normalise, reduce, (unscale, check), clip, step, zero."""
         t = self.trainer
         strategy = t.strategy
-        count, norm = self._window_count, self._window_norm
-        if self._items is None:
+        count = self._window_count
+        if not self._item_weighted:
             scale: Any = t.accumulate_grad_batches / (count * strategy.world_size)
         else:
             total = torch.as_tensor(count, dtype=torch.float64, device=strategy.device)
-            total = strategy.reduce(total, "sum").clamp(min=1)
-            scale = (torch.as_tensor(norm, dtype=torch.float64, device=strategy.device) / total).float()
-        self._window, self._window_count, self._window_norm, self._items = 0, 0, 1.0, None
+            scale = (self._items_norm / strategy.reduce(total, "sum").clamp(min=1)).float()
+        self._window, self._window_count = 0, 0
         if t.scaler is not None:
             scale = scale / t.scaler.scale
         strategy.reduce_gradients(scale)

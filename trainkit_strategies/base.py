@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
+from trainkit_strategies.comm import Comm
 from trainkit_strategies.memory import MemoryReport
 from trainkit_strategies.precision import Precision
 
@@ -89,6 +90,7 @@ class Strategy(ABC):
 
     def __init__(self) -> None:
         self.env = Environment()
+        self.comm = Comm()
         self.module: nn.Module | None = None
         self.optimizer: Optimizer | None = None
         self.precision = Precision.from_name("32")
@@ -100,6 +102,7 @@ class Strategy(ABC):
         self.env = env
         if env.device.type == "cuda":
             torch.cuda.set_device(env.device)
+        self.comm = Comm.connect(env)
 
     @property
     def device(self) -> torch.device:
@@ -175,6 +178,17 @@ class Strategy(ABC):
             torch._foreach_clamp_min_(grads, -value)
             torch._foreach_clamp_max_(grads, value)
 
+    def full_parameters(self) -> dict[str, Tensor]:
+        """Every parameter whole, by name, on every rank (collective where parameters are sharded)."""
+        assert self.module is not None
+        return {n: p.detach() for n, p in self.module.named_parameters()}
+
+    def full_gradients(self) -> dict[str, Tensor]:
+        """Every reduced gradient whole, by name (collective where gradients are sharded); call it between
+        ``reduce_gradients`` and ``zero_grad``. Parameters without a gradient are left out."""
+        assert self.module is not None
+        return {n: p.grad.detach() for n, p in self.module.named_parameters() if p.grad is not None}
+
     def optimizer_step(self) -> None:
         assert self.optimizer is not None
         self.optimizer.step()
@@ -193,21 +207,30 @@ class Strategy(ABC):
             factor = factor.to(grads[0].device)
         torch._foreach_mul_(grads, factor)
 
-    # -- collectives for metrics and control flow (identity on one rank) ---------------------------
+    # -- collectives for metrics and control flow (no communication on one rank) ------------------
     def reduce(self, tensor: Tensor, op: str = "mean") -> Tensor:
-        return tensor
+        """Reduce across ranks into a new tensor: "mean", "sum", "max" or "min"."""
+        if not self.comm.active:
+            return tensor
+        out = tensor.detach().clone().to(self.device)
+        self.comm.all_reduce(out, "sum" if op == "mean" else op)
+        return out / self.world_size if op == "mean" else out
 
     def all_gather(self, tensor: Tensor) -> Tensor:
-        return tensor.unsqueeze(0)
+        """Stack every rank's ``tensor`` (same shape on all ranks) along a new first dimension."""
+        src = tensor.detach().contiguous().to(self.device)
+        out = src.new_empty((self.world_size, *src.shape))
+        self.comm.all_gather(out.view(-1), src.view(-1))
+        return out
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        return [obj]
+        return self.comm.all_gather_object(obj)
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        return obj
+        return self.comm.broadcast_object(obj, src)
 
     def barrier(self) -> None:
-        return None
+        self.comm.barrier()
 
     # -- state -------------------------------------------------------------------------------------
     def state_layout(self) -> st.StateLayout:

@@ -10,6 +10,7 @@ from trainkit_strategies.base import Strategy
 
 _BUILTIN = {
     "single": "trainkit_strategies.single:SingleStrategy",
+    "ddp": "trainkit_strategies.ddp:DDPStrategy",
 }
 
 

@@ -1,0 +1,202 @@
+"""Parity harness: run a strategy at world size W on a global batch, compare with one process.
+
+``run_world(world_size, cases)`` starts W gloo ranks on 127.0.0.1 (one thread each, a free port, a
+timeout) that join one process group and run every case through ``Trainer.fit`` in turn, so process
+start-up is paid once per world size. Each rank reads its shard of the same global batches (the
+trainer's sampler strides one permutation), records the global loss of every optimizer step, the
+full reduced gradients before every step and the final parameters; rank 0 writes them out.
+``run_reference(case, world_size)`` trains the same case with the ``single`` strategy on the whole
+global batch in this process. Tests compare the two with ``assert_close``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+from torch.utils.data import DataLoader
+
+from tests.helpers import MaskedRegression, MaskedSequences, Regression, regression_data
+from trainkit import Trainer
+from trainkit.callbacks import Callback
+from trainkit_strategies import get_strategy
+
+FP32 = {"rtol": 1e-5, "atol": 1e-6}
+BF16 = {"rtol": 2e-2, "atol": 2e-2}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One parity run: strategy and options, precision, accumulation, clipping, model and sizes."""
+
+    name: str
+    strategy: str
+    options: dict[str, Any] = field(default_factory=dict)
+    precision: str = "32"
+    accumulate: int = 1
+    clip: float | None = None
+    steps: int = 10
+    per_rank_batch: int = 4
+    model: str = "regression"  # "regression" (plain mean loss) or "masked" (variable num_items)
+    record_comm: bool = False
+
+    def tolerance(self) -> dict[str, float]:
+        return BF16 if "bf16" in self.precision else FP32
+
+
+@dataclass
+class Result:
+    losses: list[float]
+    grads: list[dict[str, torch.Tensor]]
+    params: dict[str, torch.Tensor]
+    comm: list[dict[str, int]] = field(default_factory=list)  # bytes per micro-step, by collective kind
+    psi: int = 0
+
+
+class Probe(Callback):
+    """Global window loss (all ranks, all micro-batches, weighted by items), full grads, comm bytes."""
+
+    def __init__(self, record_comm: bool) -> None:
+        self.record_comm = record_comm
+        self.losses: list[float] = []
+        self.grads: list[dict[str, torch.Tensor]] = []
+        self.comm: list[dict[str, int]] = []
+        self._sum = torch.zeros(2, dtype=torch.float64)
+        self._step = 0
+        self._bytes: dict[str, int] = {}
+
+    def on_train_start(self, trainer, module) -> None:
+        self._bytes = dict(trainer.strategy.comm.stats.bytes)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if self.record_comm:
+            now = dict(trainer.strategy.comm.stats.bytes)
+            delta = {k: now[k] - self._bytes.get(k, 0) for k in now}
+            self.comm.append({k: v for k, v in delta.items() if v})
+            self._bytes = now
+            return
+        loss, n = (outputs["loss"], outputs["num_items"]) if isinstance(outputs, dict) else (outputs, 1)
+        self._sum += torch.tensor([float(loss.detach()) * float(n), float(n)], dtype=torch.float64)
+        if trainer.global_step != self._step:
+            self._step = trainer.global_step
+            total = trainer.strategy.reduce(self._sum, "sum")
+            self.losses.append(float(total[0] / total[1]))
+            self._sum.zero_()
+
+    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+        if not self.record_comm:
+            self.grads.append({k: v.detach().float().clone() for k, v in trainer.strategy.full_gradients().items()})
+
+
+def _module_and_data(case: Case, world_size: int) -> tuple[Any, Any]:
+    samples = case.steps * case.accumulate * case.per_rank_batch * world_size
+    if case.model == "masked":
+        return MaskedRegression(), MaskedSequences(samples)
+    return Regression(), regression_data(samples)
+
+
+def run_case(case: Case, world_size: int, per_rank_batch: int) -> Result:
+    """Train ``case`` on this process's rank (world taken from the environment)."""
+    module, data = _module_and_data(case, world_size)
+    probe = Probe(case.record_comm)
+    strategy = get_strategy(case.strategy, **case.options)
+    trainer = Trainer(
+        strategy=strategy, precision=case.precision, accumulate_grad_batches=case.accumulate,
+        gradient_clip_val=case.clip, max_steps=case.steps, seed=0, logger=False, enable_progress_bar=False,
+        enable_checkpointing=False, num_sanity_val_steps=0, callbacks=[probe], timeout_s=120,
+        default_root_dir=tempfile.gettempdir(),
+    )
+    trainer.fit(module, DataLoader(data, batch_size=per_rank_batch, shuffle=True))
+    params = {k: v.detach().float().clone() for k, v in strategy.full_parameters().items()}
+    psi = sum(p.numel() for p in module.parameters())
+    return Result(probe.losses, probe.grads, params, probe.comm, psi)
+
+
+def run_reference(case: Case, world_size: int) -> Result:
+    """The single-process run on the whole global batch."""
+    single = Case(**{**asdict(case), "strategy": "single", "options": {}})
+    return run_case(single, world_size, case.per_rank_batch * world_size)
+
+
+def _save(result: Result, path: Path) -> None:
+    tensors = {f"param/{k}": v for k, v in result.params.items()}
+    for i, grads in enumerate(result.grads):
+        tensors |= {f"grad{i}/{k}": v for k, v in grads.items()}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path.with_suffix(".safetensors")))
+    path.with_suffix(".json").write_text(json.dumps({"losses": result.losses, "comm": result.comm,
+                                                     "steps": len(result.grads), "psi": result.psi}))
+
+
+def _load(path: Path) -> Result:
+    meta = json.loads(path.with_suffix(".json").read_text())
+    tensors = load_file(str(path.with_suffix(".safetensors")))
+    params = {k[6:]: v for k, v in tensors.items() if k.startswith("param/")}
+    grads = [{k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith(f"grad{i}/")}
+             for i in range(meta["steps"])]
+    return Result(meta["losses"], grads, params, meta["comm"], meta["psi"])
+
+
+def _worker(rank: int, world_size: int, port: int, cases: list[Case], out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    for case in cases:
+        try:
+            result = run_case(case, world_size, case.per_rank_batch)
+        except Exception:
+            Path(out, f"{case.name}.error").write_text(traceback.format_exc())
+            raise
+        if rank == 0:
+            _save(result, Path(out, case.name))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(world_size: int, cases: list[Case], timeout_s: float = 600) -> dict[str, Result]:
+    """Run ``cases`` on ``world_size`` ranks; results by case name (rank 0's view)."""
+    with tempfile.TemporaryDirectory() as out:
+        ctx = mp.start_processes(_worker, args=(world_size, free_port(), cases, out), nprocs=world_size,
+                                 join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=2):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{world_size} ranks did not finish {len(cases)} cases in {timeout_s} s")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+            errors = [p.read_text() for p in Path(out).glob("*.error")]
+            raise RuntimeError(f"a rank failed:\n{errors[0] if errors else err}") from err
+        finally:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.terminate()
+        return {case.name: _load(Path(out, case.name)) for case in cases}
+
+
+def assert_parity(result: Result, reference: Result, tolerance: dict[str, float]) -> None:
+    assert len(result.losses) == len(reference.losses) > 0
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(reference.losses), **tolerance,
+                               msg=lambda m: f"losses: {m}")
+    assert len(result.grads) == len(reference.grads)
+    for step, (got, want) in enumerate(zip(result.grads, reference.grads, strict=True)):
+        assert got.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], **tolerance,
+                                       msg=lambda m, n=name, s=step: f"grad {n} at step {s}: {m}")
+    assert result.params.keys() == reference.params.keys()
+    for name in reference.params:
+        torch.testing.assert_close(result.params[name], reference.params[name], **tolerance,
+                                   msg=lambda m, n=name: f"param {n}: {m}")

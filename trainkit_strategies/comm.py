@@ -1,0 +1,196 @@
+"""Collectives with byte accounting: the only module in trainkit that calls torch.distributed ops.
+
+Every call adds its payload to ``Comm.stats``: all_reduce counts the tensor reduced, reduce_scatter
+the full input, all_gather the full output, broadcast / send / recv the tensor moved. In the units
+of the ZeRO paper (§7), an all-reduce of Ψ elements moves as much as a reduce-scatter plus an
+all-gather of Ψ, which ``CommStats.volume`` reports (all_reduce weighted 2, the others 1).
+
+With ``world_size == 1`` the same calls run with communication skipped (all_gather copies, others
+return at once) and count nothing, so strategies need no single-process branch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from trainkit_strategies.base import Environment
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.AVG}
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class PeerError(RuntimeError):
+    """A collective failed because another rank died, raised, or stopped answering within the timeout."""
+
+
+@dataclass
+class CommStats:
+    """Payload bytes and call counts per collective kind."""
+
+    bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def volume(self) -> int:
+        """Bytes in reduce-scatter/all-gather units: an all-reduce counts twice its payload."""
+        return sum(b * (2 if kind == "all_reduce" else 1) for kind, b in self.bytes.items())
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self.bytes)
+
+
+class Handle:
+    """An in-flight collective; ``wait()`` blocks until it finished (no-op when it ran synchronously)."""
+
+    __slots__ = ("_comm", "_work")
+
+    def __init__(self, work: Any = None, comm: Comm | None = None) -> None:
+        self._work, self._comm = work, comm
+
+    def wait(self) -> None:
+        if self._work is not None:
+            work, self._work = self._work, None
+            assert self._comm is not None
+            self._comm._guard(work.wait)
+
+
+_DONE = Handle()
+
+
+class Comm:
+    """Collectives over one process group (the default one unless ``group`` is given)."""
+
+    def __init__(self, world_size: int = 1, rank: int = 0, group: Any = None, ranks: list[int] | None = None,
+                 timeout_s: float = 1800.0) -> None:
+        self.world_size, self.rank, self.group = world_size, rank, group
+        self.ranks = ranks if ranks is not None else list(range(world_size))
+        self.timeout_s = timeout_s
+        self.stats = CommStats()
+
+    @classmethod
+    def connect(cls, env: Environment) -> Comm:
+        """Join (once per process) the default process group: NCCL for CUDA devices, gloo otherwise."""
+        if env.world_size == 1:
+            return cls(timeout_s=env.timeout_s)
+        if not dist.is_initialized():
+            backend = "nccl" if env.device.type == "cuda" else "gloo"
+            kwargs: dict[str, Any] = {}
+            if env.device.type == "cuda":
+                kwargs["device_id"] = env.device
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+            dist.init_process_group(
+                backend, init_method=f"tcp://{env.master_addr}:{env.master_port}", rank=env.rank,
+                world_size=env.world_size, timeout=timedelta(seconds=env.timeout_s), **kwargs,
+            )
+        if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
+            raise RuntimeError(
+                f"A process group already exists with rank {dist.get_rank()} of {dist.get_world_size()}, but this "
+                f"run expects rank {env.rank} of {env.world_size}."
+            )
+        return cls(env.world_size, env.rank, timeout_s=env.timeout_s)
+
+    def subgroup(self, ranks: list[int]) -> Comm:
+        """A Comm over ``ranks`` (global ranks). Every rank must call this with the same list, in order."""
+        if self.world_size == 1 or len(ranks) == self.world_size:
+            return Comm(self.world_size, self.rank, self.group, self.ranks, self.timeout_s) if len(ranks) > 1 \
+                else Comm(timeout_s=self.timeout_s)
+        group = dist.new_group(ranks, timeout=timedelta(seconds=self.timeout_s))
+        if self.rank not in ranks:
+            return Comm(timeout_s=self.timeout_s)
+        return Comm(len(ranks), ranks.index(self.rank), group, list(ranks), self.timeout_s)
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+    def _count(self, kind: str, tensor: Tensor) -> None:
+        self.stats.bytes[kind] += tensor.numel() * tensor.element_size()
+        self.stats.calls[kind] += 1
+
+    def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (RuntimeError, dist.DistError) as err:
+            raise PeerError(
+                f"A collective across {self.world_size} ranks failed: another rank crashed, was killed, raised an "
+                f"error, or did not answer within timeout_s={self.timeout_s:g}. Original error: {err}"
+            ) from err
+
+    def _run(self, fn: Any, *args: Any, async_op: bool = False, **kwargs: Any) -> Handle:
+        work = self._guard(fn, *args, group=self.group, async_op=async_op, **kwargs)
+        return Handle(work, self) if async_op else _DONE
+
+    # -- collectives -------------------------------------------------------------------------------
+    def all_reduce(self, tensor: Tensor, op: str = "sum", async_op: bool = False) -> Handle:
+        if not self.active:
+            return _DONE
+        self._count("all_reduce", tensor)
+        return self._run(dist.all_reduce, tensor, op=_OPS[op], async_op=async_op)
+
+    def reduce_scatter(self, output: Tensor, input: Tensor, op: str = "sum", async_op: bool = False) -> Handle:
+        """``output`` (1/N of ``input``) receives this rank's slice of the reduction of ``input``."""
+        if not self.active:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input.view_as(output))
+            return _DONE
+        self._count("reduce_scatter", input)
+        return self._run(_reduce_scatter, output, input, op=_OPS[op], async_op=async_op)
+
+    def all_gather(self, output: Tensor, input: Tensor, async_op: bool = False) -> Handle:
+        """``output`` (N times ``input``) receives every rank's ``input`` in rank order."""
+        if not self.active:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input.view_as(output))
+            return _DONE
+        self._count("all_gather", output)
+        return self._run(_all_gather, output, input, async_op=async_op)
+
+    def broadcast(self, tensor: Tensor, src: int = 0, async_op: bool = False) -> Handle:
+        """``src`` is a rank within this group."""
+        if not self.active:
+            return _DONE
+        self._count("broadcast", tensor)
+        return self._run(dist.broadcast, tensor, src=self.ranks[src], async_op=async_op)
+
+    def send(self, tensor: Tensor, dst: int) -> Handle:
+        """Asynchronous point-to-point send to group rank ``dst``."""
+        self._count("send", tensor)
+        return Handle(self._guard(dist.isend, tensor, dst=self.ranks[dst], group=self.group), self)
+
+    def recv(self, tensor: Tensor, src: int) -> Handle:
+        """Asynchronous point-to-point receive from group rank ``src``."""
+        self._count("recv", tensor)
+        return Handle(self._guard(dist.irecv, tensor, src=self.ranks[src], group=self.group), self)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if not self.active:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        self._guard(dist.all_gather_object, out, obj, group=self.group)
+        self.stats.calls["all_gather_object"] += 1
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if not self.active:
+            return obj
+        box = [obj]
+        self._guard(dist.broadcast_object_list, box, src=self.ranks[src], group=self.group)
+        self.stats.calls["broadcast_object"] += 1
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.active:
+            self._guard(dist.barrier, group=self.group)
+
