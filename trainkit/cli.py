@@ -11,6 +11,7 @@ embedded demo (TinyGPT on a synthetic Markov corpus) runs. In your own script::
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +21,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, lazy_insta
 from trainkit.data import DataModule
 from trainkit.demo.gpt import DemoGPT
 from trainkit.module import TrainModule
+from trainkit.seed import seed_everything
 from trainkit.trainer import Trainer
 from trainkit_strategies.registry import available
 
@@ -93,6 +95,9 @@ def _instantiate(parser: ArgumentParser, cfg: Namespace, subcommand: str) -> tup
     is_demo = sub_cfg.model.class_path == DEMO_MODEL
     if is_demo and sub_cfg.get("data") is None:
         sub_cfg.data = Namespace(class_path=DEMO_DATA, init_args=Namespace())
+    seed = sub_cfg.trainer.seed if sub_cfg.trainer.seed is not None else (DEMO_TRAINER["seed"] if is_demo else None)
+    if seed is not None:
+        seed_everything(seed)  # before the model is built, so its initial weights follow the seed
     init = parser.instantiate(cfg)[subcommand]
     model, data = init.model, init.data
     trainer_args = dict(init.trainer)
@@ -101,8 +106,9 @@ def _instantiate(parser: ArgumentParser, cfg: Namespace, subcommand: str) -> tup
         for key, value in DEMO_TRAINER.items():
             if trainer_args.get(key) == defaults[key]:
                 trainer_args[key] = value
-        if trainer_args["max_steps"] != model.hparams.max_steps:
-            model.hparams.max_steps = trainer_args["max_steps"]
+        schedule_default = inspect.signature(DemoGPT).parameters["max_steps"].default
+        if model.hparams.max_steps == schedule_default and trainer_args["max_steps"] > 0:
+            model.hparams.max_steps = trainer_args["max_steps"]  # the LR schedule spans the run unless set
     trainer = Trainer(**trainer_args)
     return trainer, model, data
 

@@ -61,7 +61,7 @@ class ResumableSampler(Sampler[int]):
         self.length, self.shuffle, self.seed = length, shuffle, seed
         self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
         self.epoch = 0
-        self._start = 0
+        self._skip: tuple[int, int] | None = None  # (epoch, samples) to skip in that epoch only
         if drop_last:
             self.per_rank = length // world_size
         else:
@@ -71,13 +71,18 @@ class ResumableSampler(Sampler[int]):
         self.epoch = epoch
 
     def skip(self, samples: int) -> None:
-        """Start the next iteration ``samples`` into this rank's share of the epoch."""
-        self._start = samples
+        """Start the current epoch's next iteration ``samples`` into this rank's share."""
+        self._skip = (self.epoch, samples)
+
+    def _start(self) -> int:
+        return self._skip[1] if self._skip is not None and self._skip[0] == self.epoch else 0
 
     def __len__(self) -> int:
-        return self.per_rank - self._start
+        """The whole epoch's share, also while resuming: loops count batches from the epoch's start."""
+        return self.per_rank
 
     def __iter__(self) -> Iterator[int]:
+        start, self._skip = self._start(), None
         if self.shuffle:
             gen = torch.Generator().manual_seed(self.seed + self.epoch)
             order = torch.randperm(self.length, generator=gen)
@@ -86,8 +91,7 @@ class ResumableSampler(Sampler[int]):
         total = self.per_rank * self.world_size
         if total > self.length:
             order = torch.cat([order, order.repeat(math.ceil(total / self.length))[: total - self.length]])
-        start, self._start = self._start, 0
-        yield from order[: total][self.rank :: self.world_size][start:].tolist()
+        return iter(order[:total][self.rank :: self.world_size][start:].tolist())
 
 
 def rebuild_loader(loader: Iterable[Any], shuffle: bool | None, seed: int, rank: int, world_size: int) -> Iterable[Any]:

@@ -31,7 +31,7 @@ def test_epochs_reshuffle_deterministically():
 def test_skip_resumes_mid_epoch_once():
     sampler = ResumableSampler(10, False, rank=1, world_size=2)
     sampler.skip(2)
-    assert len(sampler) == 3
+    assert len(sampler) == 5
     assert list(sampler) == [5, 7, 9]
     assert list(sampler) == [1, 3, 5, 7, 9]
 
@@ -41,3 +41,10 @@ def test_uneven_lengths_pad_or_drop():
     assert padded == [[0, 2, 4], [1, 3, 0]]
     dropped = [list(ResumableSampler(5, False, rank=r, world_size=2, drop_last=True)) for r in range(2)]
     assert dropped == [[0, 2], [1, 3]]
+
+
+def test_skip_applies_to_its_epoch_only():
+    sampler = ResumableSampler(8, False)
+    sampler.skip(8)  # an epoch resumed at its very end: its sampler is never drawn from
+    sampler.set_epoch(1)
+    assert list(sampler) == list(range(8))
