@@ -18,11 +18,14 @@ from typing import Any
 
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, lazy_instance
 
+from trainkit import launcher
+from trainkit.checkpoint import CheckpointError
 from trainkit.data import DataModule
 from trainkit.demo.gpt import DemoGPT
 from trainkit.module import TrainModule
 from trainkit.seed import seed_everything
 from trainkit.trainer import Trainer
+from trainkit_strategies.comm import PeerError
 from trainkit_strategies.registry import available
 
 SUBCOMMANDS = {
@@ -127,7 +130,16 @@ def main(model_class: type[TrainModule] | None = None, datamodule_class: type[Da
         sub_parser.error(str(err))
     _save_config(trainer, sub_parser, cfg[subcommand])
     run = getattr(trainer, subcommand)
-    return run(model, datamodule=data, ckpt_path=cfg[subcommand].ckpt_path)
+    try:
+        result = run(model, datamodule=data, ckpt_path=cfg[subcommand].ckpt_path)
+    except (PeerError, CheckpointError) as err:
+        print(f"trainkit: error (rank {trainer.global_rank}): {err}", file=sys.stderr)
+        sys.exit(1)
+    code = launcher.wait_children()
+    if code:
+        print(f"trainkit: error: a launched rank exited with code {code}.", file=sys.stderr)
+        sys.exit(code)
+    return result
 
 
 def _save_config(trainer: Trainer, parser: ArgumentParser, cfg: Namespace) -> None:

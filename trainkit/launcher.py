@@ -24,6 +24,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from trainkit_strategies import Environment
 
 _children: list[subprocess.Popen] = []
+_grace_s = 60.0
 
 
 def free_port() -> int:
@@ -74,7 +75,7 @@ def _threads_per_rank(devices: int) -> int:
     return max(1, cpus // devices)
 
 
-def _launch(devices: int) -> None:
+def _launch(devices: int, timeout_s: float) -> None:
     port = str(free_port())
     threads = os.environ.get("OMP_NUM_THREADS") or str(_threads_per_rank(devices))
     torch.set_num_threads(int(threads))
@@ -85,15 +86,29 @@ def _launch(devices: int) -> None:
         _children.append(subprocess.Popen(_command(), env=env))
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(devices),
                        "RANK": "0", "LOCAL_RANK": "0", "TRAINKIT_LAUNCHED": "1"})
+    global _grace_s
+    _grace_s = timeout_s + 30.0
     atexit.register(wait_children)
 
 
 def wait_children() -> int:
-    """Wait for launched ranks; returns the first non-zero exit code (0 when all succeeded)."""
+    """Wait for launched ranks; returns the first non-zero exit code (0 when all succeeded).
+
+    A rank still running ``timeout_s + 30`` seconds after this one finished is stuck (its peers are
+    gone): it is terminated rather than waited on forever.
+    """
     code = 0
     while _children:
         child = _children.pop(0)
-        rc = child.wait()
+        try:
+            rc = child.wait(timeout=_grace_s)
+        except subprocess.TimeoutExpired:
+            child.terminate()
+            try:
+                rc = child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                rc = child.wait()
         code = code or rc
     return code
 
@@ -109,7 +124,7 @@ def connect(accelerator: str, devices: int, num_nodes: int, timeout_s: float) ->
                 f"num_nodes={num_nodes} needs a multi-node launcher: start the run with torchrun "
                 "(--nnodes, --nproc-per-node) or srun, which set RANK/WORLD_SIZE for trainkit to read."
             )
-        _launch(devices)
+        _launch(devices, timeout_s)
     env = Environment.from_env(accelerator, timeout_s)
     expected = devices * num_nodes
     if env.world_size > 1 and expected > 1 and env.world_size != expected:

@@ -118,16 +118,14 @@ class TrainModule(ModelHooks, nn.Module):
         frame = inspect.currentframe()
         assert frame is not None and frame.f_back is not None
         caller = frame.f_back
-        init_args = {k: v for k, v in caller.f_locals.items() if k not in ("self", "__class__")}
-        try:
-            signature = inspect.signature(type(self).__init__)
-            params = signature.parameters
-            init_args = {k: init_args[k] for k in params if k in init_args and k != "self"}
-            for kind_name, param in params.items():
-                if param.kind is inspect.Parameter.VAR_KEYWORD and isinstance(init_args.get(kind_name), dict):
-                    init_args.update(init_args.pop(kind_name))
-        except (TypeError, ValueError):
-            pass
+        code = caller.f_code  # the __init__ that called us (a subclass may call it through super())
+        arg_names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+        init_args = {k: caller.f_locals[k] for k in arg_names if k != "self" and k in caller.f_locals}
+        if code.co_flags & inspect.CO_VARKEYWORDS:
+            extra = caller.f_locals.get(code.co_varnames[code.co_argcount + code.co_kwonlyargcount +
+                                                         bool(code.co_flags & inspect.CO_VARARGS)])
+            if isinstance(extra, dict):
+                init_args.update(extra)
         ignored = {ignore} if isinstance(ignore, str) else set(ignore or [])
         if names:
             init_args = {k: init_args[k] for k in names}

@@ -29,6 +29,7 @@ from trainkit.optim import OptimizerConfig, parse_optimizers
 from trainkit.results import Results
 from trainkit.seed import rng_state, seed_everything, set_rng_state
 from trainkit_strategies import DynamicLossScaler, Precision, ShardedInit, Strategy
+from trainkit_strategies.comm import PeerError
 from trainkit_strategies.registry import get_strategy
 
 
@@ -303,6 +304,10 @@ class Trainer:
                     cb.on_exception(self, module, exc)
                 except Exception as cb_exc:  # keep the original error in front of the user
                     rank_zero_warn(f"{type(cb).__name__}.on_exception failed: {cb_exc!r}")
+            if self.world_size > 1:
+                self.strategy.comm.abort()
+            if isinstance(exc, PeerError):
+                raise PeerError(f"{exc}\n{self._resume_hint()}") from exc
             raise
         finally:
             self._call("teardown", stage)
@@ -464,6 +469,15 @@ class Trainer:
                 "random state is re-seeded from rank 0's, so dropout noise will not continue bitwise."
             )
             self._pending_rng = ranks[0]["rng"]
+
+    def _resume_hint(self) -> str:
+        try:
+            last = ckpt.latest(self.checkpoint_dir)
+        except ckpt.CheckpointError:
+            last = None
+        if last is None:
+            return "No checkpoint was committed before the failure."
+        return f"The last committed checkpoint, {last}, is intact: resume with --ckpt_path last (or ckpt_path='last')."
 
     def _apply_pending_rng(self) -> None:
         if self._pending_rng is not None:

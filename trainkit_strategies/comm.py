@@ -194,3 +194,13 @@ class Comm:
         if self.active:
             self._guard(dist.barrier, group=self.group)
 
+    def abort(self) -> None:
+        """Tear the process group down after a failure, so peers blocked on this rank fail fast instead of
+        waiting out the timeout."""
+        if self.active and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # already broken: nothing left to release
+                pass
+            self.world_size = 1
+

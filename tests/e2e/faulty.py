@@ -1,0 +1,28 @@
+"""Modules that fail on purpose, for fault tests driven through the CLI."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from trainkit.demo.gpt import DemoGPT
+
+
+class DiesAtStep(DemoGPT):
+    """Rank ``rank`` kills itself (SIGKILL), raises, or hangs when training reaches ``step``."""
+
+    def __init__(self, rank: int = 1, step: int = 15, how: str = "kill", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fault = (rank, step, how)
+
+    def training_step(self, batch, batch_idx):
+        rank, step, how = self.fault
+        if self.global_rank == rank and self.global_step == step:
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif how == "raise":
+                raise RuntimeError("injected failure")
+            else:
+                time.sleep(3600)
+        return super().training_step(batch, batch_idx)

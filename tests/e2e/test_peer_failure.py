@@ -1,0 +1,46 @@
+"""A rank that dies, raises or hangs: the others stop with a clear error within the timeout, and the
+last committed checkpoint stays intact and resumable."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trainkit.checkpoint import CheckpointReader
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMON = [
+    "--trainer.devices", "2", "--trainer.strategy", "ddp", "--trainer.enable_progress_bar", "false",
+    "--data", "trainkit.demo.markov.MarkovData", "--data.train_sequences", "640", "--data.val_sequences", "64",
+    "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps", "10",
+    "--trainer.max_steps", "20", "--trainer.logger", "false",
+]
+
+
+def run(root: Path, *args: str, timeout: float = 300) -> tuple[subprocess.CompletedProcess, float]:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "trainkit.cli", "fit", *COMMON, "--trainer.default_root_dir",
+                           str(root), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=root)
+    return proc, time.monotonic() - start
+
+
+@pytest.mark.parametrize(("how", "timeout_s"), [("kill", 60), ("raise", 60), ("hang", 10)])
+def test_failed_peer_stops_the_run_with_a_clear_error(tmp_path, how, timeout_s):
+    proc, elapsed = run(tmp_path, "--model", "tests.e2e.faulty.DiesAtStep", "--model.how", how,
+                        "--model.step", "15", "--trainer.timeout_s", str(timeout_s))
+    assert proc.returncode != 0
+    assert "A collective across 2 ranks failed" in proc.stderr, proc.stderr[-3000:]
+    assert "is intact: resume with --ckpt_path last" in proc.stderr
+    assert elapsed < 45 + 2 * timeout_s, f"took {elapsed:.0f} s"
+    latest = tmp_path / "checkpoints" / "epoch=0-step=10"
+    assert (tmp_path / "checkpoints" / "latest").read_text() == latest.name
+    assert CheckpointReader(latest).meta["loop"]["global_step"] == 10
+    resumed, _ = run(tmp_path, "--ckpt_path", "last", "--trainer.timeout_s", "60")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "epoch=1-step=20"
