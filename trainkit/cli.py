@@ -36,7 +36,8 @@ SUBCOMMANDS = {
 }
 DEMO_MODEL = "trainkit.demo.gpt.DemoGPT"
 DEMO_DATA = "trainkit.demo.markov.MarkovData"
-DEMO_TRAINER = {"max_steps": 2000, "val_check_interval": 500, "log_every_n_steps": 25, "seed": 0}
+DEMO_TRAINER = {"max_steps": 2000, "val_check_interval": 500, "check_val_every_n_epoch": None,
+                "log_every_n_steps": 25, "seed": 0}
 
 
 def _subcommand_parser(name: str, model_class: type[TrainModule] | None,
@@ -108,7 +109,7 @@ def _instantiate(parser: ArgumentParser, cfg: Namespace, subcommand: str) -> tup
         defaults = Trainer.__init__.__kwdefaults__
         for key, value in DEMO_TRAINER.items():
             if trainer_args.get(key) == defaults[key]:
-                trainer_args[key] = value
+                trainer_args[key] = sub_cfg.trainer[key] = value  # also into the saved config.yaml
         schedule_default = inspect.signature(DemoGPT).parameters["max_steps"].default
         if model.hparams.max_steps == schedule_default and trainer_args["max_steps"] > 0:
             model.hparams.max_steps = trainer_args["max_steps"]  # the LR schedule spans the run unless set
@@ -117,7 +118,7 @@ def _instantiate(parser: ArgumentParser, cfg: Namespace, subcommand: str) -> tup
 
 
 def main(model_class: type[TrainModule] | None = None, datamodule_class: type[DataModule] | None = None,
-         args: Sequence[str] | None = None) -> Any:
+         args: Sequence[str] | None = None) -> None:
     """Parse ``args`` (default: the command line) and run the chosen subcommand."""
     parser = build_parser(model_class, datamodule_class)
     argv = normalize_argv(sys.argv[1:] if args is None else args)
@@ -131,7 +132,7 @@ def main(model_class: type[TrainModule] | None = None, datamodule_class: type[Da
     _save_config(trainer, sub_parser, cfg[subcommand])
     run = getattr(trainer, subcommand)
     try:
-        result = run(model, datamodule=data, ckpt_path=cfg[subcommand].ckpt_path)
+        run(model, datamodule=data, ckpt_path=cfg[subcommand].ckpt_path)
     except (PeerError, CheckpointError) as err:
         print(f"trainkit: error (rank {trainer.global_rank}): {err}", file=sys.stderr)
         sys.exit(1)
@@ -139,7 +140,6 @@ def main(model_class: type[TrainModule] | None = None, datamodule_class: type[Da
     if code:
         print(f"trainkit: error: a launched rank exited with code {code}.", file=sys.stderr)
         sys.exit(code)
-    return result
 
 
 def _save_config(trainer: Trainer, parser: ArgumentParser, cfg: Namespace) -> None:

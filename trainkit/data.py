@@ -50,22 +50,26 @@ class DataModule:
 class ResumableSampler(Sampler[int]):
     """Shuffled (or sequential) indices, sharded across ranks by striding, resumable mid-epoch.
 
-    When the dataset does not divide by the world size, the permutation is padded with its own head
-    (as torch's DistributedSampler does) unless ``drop_last`` trims it.
+    When the dataset does not divide by the world size, training pads the permutation with its own
+    head (as torch's DistributedSampler does) so every rank takes the same number of steps, unless
+    ``drop_last`` trims it. Evaluation uses ``pad=False``: ranks may then see one sample fewer, but no
+    sample is counted twice in a metric.
     """
 
     def __init__(
         self, length: int, shuffle: bool, seed: int = 0, rank: int = 0, world_size: int = 1,
-        drop_last: bool = False,
+        drop_last: bool = False, pad: bool = True,
     ) -> None:
         self.length, self.shuffle, self.seed = length, shuffle, seed
-        self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
+        self.rank, self.world_size, self.drop_last, self.pad = rank, world_size, drop_last, pad
         self.epoch = 0
         self._skip: tuple[int, int] | None = None  # (epoch, samples) to skip in that epoch only
         if drop_last:
             self.per_rank = length // world_size
-        else:
+        elif pad:
             self.per_rank = math.ceil(length / world_size)
+        else:
+            self.per_rank = len(range(rank, length, world_size))
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -88,13 +92,15 @@ class ResumableSampler(Sampler[int]):
             order = torch.randperm(self.length, generator=gen)
         else:
             order = torch.arange(self.length)
-        total = self.per_rank * self.world_size
+        total = self.per_rank * self.world_size if self.pad or self.drop_last else self.length
         if total > self.length:
             order = torch.cat([order, order.repeat(math.ceil(total / self.length))[: total - self.length]])
         return iter(order[:total][self.rank :: self.world_size][start:].tolist())
 
 
-def rebuild_loader(loader: Iterable[Any], shuffle: bool | None, seed: int, rank: int, world_size: int) -> Iterable[Any]:
+def rebuild_loader(
+    loader: Iterable[Any], shuffle: bool | None, seed: int, rank: int, world_size: int, pad: bool = True
+) -> Iterable[Any]:
     """Swap a loader's default sampler for a ``ResumableSampler``; other loaders pass through.
 
     Loaders with a custom sampler or batch sampler, over an IterableDataset, or any other iterable of
@@ -116,7 +122,7 @@ def rebuild_loader(loader: Iterable[Any], shuffle: bool | None, seed: int, rank:
         return loader
     if shuffle is None:
         shuffle = isinstance(loader.sampler, RandomSampler)
-    sampler = ResumableSampler(len(loader.dataset), shuffle, seed, rank, world_size)
+    sampler = ResumableSampler(len(loader.dataset), shuffle, seed, rank, world_size, pad=pad)
     kwargs: dict[str, Any] = dict(
         batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
         collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,

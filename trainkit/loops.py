@@ -64,7 +64,8 @@ class FitLoop:
         self.global_step = 0
         self.batch_idx = 0  # batches of the current epoch consumed by completed optimizer steps
         self.epoch_done = False
-        self._val_marker = 0
+        self.total_batches = 0  # batches consumed by completed optimizer steps, all epochs
+        self._val_marker = 0  # validations done on the current interval count (see _val_schedule)
         self._window = 0
         self._window_count: Any = 0  # micro-batches (plain losses) or items (num_items) in the window
         self._item_weighted = False
@@ -72,15 +73,22 @@ class FitLoop:
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "global_step": self.global_step, "batch_idx": self.batch_idx,
-                "epoch_done": self.epoch_done, "val_marker": self._val_marker, "items_norm": self._items_norm}
+                "epoch_done": self.epoch_done, "val_marker": self._val_marker, "items_norm": self._items_norm,
+                "total_batches": self.total_batches}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.global_step = state["epoch"], state["global_step"]
         self.batch_idx, self.epoch_done = state["batch_idx"], state["epoch_done"]
         self._val_marker = state.get("val_marker", 0)
         self._items_norm = state.get("items_norm")
+        self.total_batches = state.get("total_batches", 0)
         if self.epoch_done:
-            self.epoch, self.batch_idx, self.epoch_done, self._val_marker = self.epoch + 1, 0, False, 0
+            self._next_epoch()
+
+    def _next_epoch(self) -> None:
+        self.epoch, self.batch_idx, self.epoch_done = self.epoch + 1, 0, False
+        if self.trainer.check_val_every_n_epoch is not None:
+            self._val_marker = 0
 
     @property
     def done(self) -> bool:
@@ -95,7 +103,8 @@ class FitLoop:
         t = self.trainer
         t._call("on_fit_start")
         if t.num_sanity_val_steps and t.val_dataloaders and self._has_validation():
-            t.eval_loop.run("validate", t.val_dataloaders, t.num_sanity_val_steps, sanity=True)
+            limit = None if t.num_sanity_val_steps < 0 else t.num_sanity_val_steps
+            t.eval_loop.run("validate", t.val_dataloaders, limit, sanity=True)
         t._call("on_train_start")
         while not self.done:
             self.run_epoch()
@@ -114,7 +123,7 @@ class FitLoop:
         loader = t.train_dataloader
         assert loader is not None and module is not None
         limit = num_batches(loader, t.limit_train_batches)
-        val_every = self._val_every(limit)
+        val_every = self._val_schedule(limit)
         k = t.accumulate_grad_batches
         module.train()
         t._results.stage = "train"
@@ -142,18 +151,18 @@ class FitLoop:
                 self._finish_step(batch_idx, val_every)
             for fn in batch_end:
                 fn(outputs, batch, batch_idx - 1)
-        if self._window:
+        if batch_idx != self.batch_idx:  # a window cut short by the data (no length known, or fewer batches)
             self._finish_step(batch_idx, val_every)
         if self.done and batch_idx < limit:
             return
-        if self._validate_at_epoch_end(val_every):
+        if math.isinf(val_every) and self._validation_epoch():
             t.eval_loop.run("validate", t.val_dataloaders, t.limit_val_batches)
             t._results.stage = "train"
         self._log(t._results.epoch_metrics())
+        self._step_scheduler("epoch", self.epoch + 1)  # before the hooks, so epoch-end checkpoints include it
         self.epoch_done = True
         t._call("on_train_epoch_end")
-        self._step_scheduler("epoch", self.epoch + 1)
-        self.epoch, self.batch_idx, self.epoch_done, self._val_marker = self.epoch + 1, 0, False, 0
+        self._next_epoch()
 
     def _micro_step(self, batch: Any, batch_idx: int, boundary: bool, k: int) -> Any:
         t = self.trainer
@@ -197,6 +206,10 @@ class FitLoop:
         """The optimizer boundary: normalise, reduce, (unscale, check), clip, step, zero."""
         t = self.trainer
         strategy = t.strategy
+        self.total_batches += batch_idx - self.batch_idx
+        self.batch_idx = batch_idx
+        if self._window == 0:  # every micro-batch of the window returned None: nothing to step
+            return
         count = self._window_count
         if not self._item_weighted:
             scale: Any = t.accumulate_grad_batches / (count * strategy.world_size)
@@ -227,13 +240,13 @@ class FitLoop:
             fn(optimizer)
         strategy.zero_grad()
         self.global_step += 1
-        self.batch_idx = batch_idx
         if not skip:  # a step skipped for overflow does not advance the LR schedule
             self._step_scheduler("step", self.global_step)
         if self.global_step % t.log_every_n_steps == 0:
             self._log(t._results.step_metrics())
-        if batch_idx // val_every > self._val_marker:
-            self._val_marker = int(batch_idx // val_every)
+        counted = self.total_batches if t.check_val_every_n_epoch is None else batch_idx
+        if counted // val_every > self._val_marker and self._validation_epoch():
+            self._val_marker = int(counted // val_every)
             t.eval_loop.run("validate", t.val_dataloaders, t.limit_val_batches)
             t._results.stage = "train"
 
@@ -251,8 +264,13 @@ class FitLoop:
         else:
             cfg.scheduler.step()
 
-    def _val_every(self, limit: float) -> float:
-        """Training batches between mid-epoch validations (inf: validate only at epoch end)."""
+    def _val_schedule(self, limit: float) -> float:
+        """Training batches between validations, or inf to validate at epoch ends only.
+
+        As in Lightning: a float is a fraction of the epoch; an int counts batches within the epoch (it
+        may not exceed the epoch) unless ``check_val_every_n_epoch`` is None, in which case it counts
+        batches across epochs (iteration-based training).
+        """
         t = self.trainer
         interval = t.val_check_interval
         if not t.val_dataloaders or not self._has_validation() or interval is None:
@@ -263,13 +281,18 @@ class FitLoop:
             if math.isinf(limit):
                 raise ValueError("A fractional val_check_interval needs a training dataloader with a length.")
             return max(1, int(limit * interval))
+        if t.check_val_every_n_epoch is not None and interval > limit:
+            raise ValueError(
+                f"val_check_interval={interval} exceeds the {int(limit)} training batches of an epoch, so validation "
+                "would never run. Lower it, or set check_val_every_n_epoch=None to count batches across epochs."
+            )
         return int(interval)
 
-    def _validate_at_epoch_end(self, val_every: float) -> bool:
+    def _validation_epoch(self) -> bool:
         t = self.trainer
-        if not t.val_dataloaders or not self._has_validation() or not math.isinf(val_every):
+        if not t.val_dataloaders or not self._has_validation():
             return False
-        return (self.epoch + 1) % t.check_val_every_n_epoch == 0
+        return t.check_val_every_n_epoch is None or (self.epoch + 1) % t.check_val_every_n_epoch == 0
 
     def _log(self, metrics: dict[str, float]) -> None:
         if metrics:
@@ -322,8 +345,7 @@ class EvalLoop:
         if sanity:
             t._results.reset(stage)
         else:
-            if t.state == "fit" or stage != "validate":
-                t.log_metrics(metrics, t.global_step)
+            t.log_metrics(metrics, t.global_step)
             t._call(f"on_{prefix}_end")
         if was_training:
             module.train()

@@ -28,6 +28,7 @@ from trainkit.module import TrainModule
 from trainkit.optim import OptimizerConfig, parse_optimizers
 from trainkit.results import Results
 from trainkit.seed import rng_state, seed_everything, set_rng_state
+from trainkit.utils import jsonable
 from trainkit_strategies import DynamicLossScaler, Precision, ShardedInit, Strategy
 from trainkit_strategies.comm import PeerError
 from trainkit_strategies.registry import get_strategy
@@ -49,8 +50,9 @@ class Trainer:
             (batches) or a float fraction of each epoch.
         val_check_interval: validate every N training batches (int) or fraction of an epoch (float);
             None validates at the end of every ``check_val_every_n_epoch``-th epoch.
-        check_val_every_n_epoch: see above.
-        num_sanity_val_steps: validation batches run before training to catch bugs early.
+        check_val_every_n_epoch: validate only in every N-th epoch; None lets an int
+            ``val_check_interval`` count batches across epochs (iteration-based training).
+        num_sanity_val_steps: validation batches run before training to catch bugs early (-1: all).
         fast_dev_run: run N (True: 1) batches of every stage, without logging or checkpoints.
         log_every_n_steps: how often per-step metrics reach the loggers.
         accumulate_grad_batches: micro-batches per optimizer step.
@@ -83,7 +85,7 @@ class Trainer:
         limit_test_batches: int | float | None = None,
         limit_predict_batches: int | float | None = None,
         val_check_interval: int | float | None = None,
-        check_val_every_n_epoch: int = 1,
+        check_val_every_n_epoch: int | None = 1,
         num_sanity_val_steps: int = 2,
         fast_dev_run: bool | int = False,
         log_every_n_steps: int = 50,
@@ -119,6 +121,8 @@ class Trainer:
         self.strategy = self._resolve_strategy(strategy)
 
         self.fast_dev_run = int(fast_dev_run)
+        if check_val_every_n_epoch is not None and check_val_every_n_epoch < 1:
+            raise ValueError(f"check_val_every_n_epoch must be >= 1 or None; got {check_val_every_n_epoch}.")
         if self.fast_dev_run:
             n = self.fast_dev_run
             limit_train_batches = limit_val_batches = limit_test_batches = limit_predict_batches = n
@@ -311,6 +315,8 @@ class Trainer:
             raise
         finally:
             self._call("teardown", stage)
+            if self.datamodule is not None:
+                self.datamodule.teardown(stage)
             for lg in self.loggers:
                 if self.is_global_zero:
                     lg.finalize("finished")
@@ -360,7 +366,7 @@ class Trainer:
             loaders = [loaders]
         if stage != "fit" and not loaders:
             raise ValueError(f"No {stage} data: pass dataloaders, a datamodule, or implement {hook}() on the module.")
-        self.val_dataloaders = [rebuild_loader(dl, False, seed, rank, world) for dl in loaders]
+        self.val_dataloaders = [rebuild_loader(dl, False, seed, rank, world, pad=False) for dl in loaders]
 
     def _build_dispatch(self, module: TrainModule) -> dict[str, list[Callable]]:
         """Bound hooks per name, only where a subclass overrides the no-op."""
@@ -407,7 +413,7 @@ class Trainer:
             "strategy": self.strategy.name,
             "precision": self.precision.name,
             "loop": self.fit_loop.state_dict(),
-            "hyperparameters": dict(self.module.hparams),
+            "hyperparameters": jsonable(dict(self.module.hparams)),
             "optimizer": {
                 "class": type(self.strategy.optimizer).__name__ if self.strategy.optimizer else None,
                 "param_groups": self.strategy.optimizer_groups(),

@@ -82,8 +82,9 @@ class Environment:
 class Strategy(ABC):
     """Base class of every strategy.
 
-    Subclasses implement the abstract methods; the defaults here are the replicated case (every rank
-    holds whole parameters and whole gradients), so a replicated strategy only adds communication.
+    The defaults here are the replicated case (every rank holds whole parameters and whole gradients)
+    on one process; a strategy overrides what its algorithm changes: placement and sharding in
+    ``setup``, communication in ``backward``/``reduce_gradients``, state in ``state_layout``.
     """
 
     name: ClassVar[str]

@@ -11,6 +11,8 @@ return at once) and count nothing, so strategies need no single-process branch.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -26,6 +28,12 @@ if TYPE_CHECKING:
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.AVG}
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _destroy_at_exit() -> None:
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 class PeerError(RuntimeError):
@@ -94,6 +102,7 @@ class Comm:
                 backend, init_method=f"tcp://{env.master_addr}:{env.master_port}", rank=env.rank,
                 world_size=env.world_size, timeout=timedelta(seconds=env.timeout_s), **kwargs,
             )
+            atexit.register(_destroy_at_exit)  # join gloo/NCCL threads before the interpreter tears down
         if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
             raise RuntimeError(
                 f"A process group already exists with rank {dist.get_rank()} of {dist.get_world_size()}, but this "
@@ -198,9 +207,6 @@ class Comm:
         """Tear the process group down after a failure, so peers blocked on this rank fail fast instead of
         waiting out the timeout."""
         if self.active and dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # already broken: nothing left to release
-                pass
+            _destroy_at_exit()
             self.world_size = 1
 

@@ -100,7 +100,8 @@ def test_plain_mean_of_micro_batches_differs_from_item_weighting(tmp_path):
 
     def mean_of_means(net, batch):
         x, y, mask = batch
-        return torch.stack([_masked(net, (x[i : i + 4], y[i : i + 4], mask[i : i + 4])) for i in range(0, 16, 4)]).mean()
+        parts = [_masked(net, (x[i : i + 4], y[i : i + 4], mask[i : i + 4])) for i in range(0, 16, 4)]
+        return torch.stack(parts).mean()
 
     wrong = _reference(initial, data, 4, 4, epochs=2, loss_fn=mean_of_means)
     diff = max((p - q).abs().max().item() for p, q in zip(module.net.parameters(), wrong.parameters(), strict=True))

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import trainkit as tk
+from tests.helpers import Regression, loader, regression_data
 from trainkit import checkpoint as ckpt
 from trainkit.callbacks import ModelCheckpoint
-from tests.helpers import Regression, loader, regression_data
 
 
 def _train(tmp_path, max_steps: int, ckpt_path: str | None = None, every: int = 10) -> tk.Trainer:
@@ -57,7 +57,7 @@ def test_altered_meta_json_is_detected(tmp_path):
     meta = json.loads(meta_path.read_text())
     meta["loop"]["global_step"] = 3
     meta_path.write_text(json.dumps(meta))
-    with pytest.raises(ckpt.CheckpointError, match="meta.json is corrupt"):
+    with pytest.raises(ckpt.CheckpointError, match=r"meta\.json is corrupt"):
         _train(tmp_path, 20, ckpt_path="last")
 
 

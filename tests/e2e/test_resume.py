@@ -42,7 +42,7 @@ def test_resume_mid_epoch_is_bitwise_identical(tmp_path, precision):
 
 def test_resume_changes_course_without_rng_restore(tmp_path, monkeypatch):
     """Guards the test above: with dropout, skipping the RNG restore breaks bitwise continuation."""
-    full, full_rec, _ = _fit(tmp_path / "full", 45, "32")
+    _, full_rec, _ = _fit(tmp_path / "full", 45, "32")
     _fit(tmp_path / "split", 37, "32")
     monkeypatch.setattr(tk.Trainer, "_apply_pending_rng", lambda self: None)
     _, rest_rec, _ = _fit(tmp_path / "split", 45, "32", ckpt_path="last")

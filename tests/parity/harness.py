@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
@@ -158,6 +159,9 @@ def _worker(rank: int, world_size: int, port: int, cases: list[Case], out: str) 
             raise
         if rank == 0:
             _save(result, Path(out, case.name))
+    if dist.is_initialized():  # spawned processes skip atexit: release gloo's threads explicitly
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def free_port() -> int:

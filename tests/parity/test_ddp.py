@@ -30,7 +30,7 @@ def test_ddp_matches_single_process(world, case):
 
 
 def test_ddp_communicates_psi_per_step_and_nothing_on_micro_steps(world):
-    world_size, results = world
+    _, results = world
     result = results["comm_acc4"]
     per_micro = result.comm
     assert len(per_micro) == 12

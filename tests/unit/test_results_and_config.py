@@ -46,7 +46,7 @@ def test_torchmetrics_compute_and_reset_at_epoch_end():
 
 def test_bad_log_values_are_named():
     r = _results()
-    with pytest.raises(ValueError, match="'x'.*scalar"):
+    with pytest.raises(ValueError, match=r"'x'.*scalar"):
         r.log("x", torch.ones(3), False, True, None, None, "mean", False, None)
     with pytest.raises(ValueError, match="reduce_fx"):
         r.log("y", 1.0, False, True, None, None, "median", False, None)

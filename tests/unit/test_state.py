@@ -117,7 +117,8 @@ def test_optimizer_state_and_group_hyperparameters_restore():
     opt = _trained_optimizer(model)
     layout = _whole_layout(model, opt)
     reader = DictReader(st.collect_pieces(layout))
-    groups = [{"params": names, **h} for names, h in zip(layout.group_names, st.group_hyperparameters(opt), strict=True)]
+    hyper = st.group_hyperparameters(opt)
+    groups = [{"params": names, **h} for names, h in zip(layout.group_names, hyper, strict=True)]
 
     fresh = _model()
     fresh_opt = torch.optim.AdamW([{"params": [fresh[0].weight, fresh[1].weight], "weight_decay": 0.5},

@@ -105,8 +105,10 @@ class ModelCheckpoint(Callback):
         if self.save_last and trainer.global_step != self._last_step:
             self.save(trainer)
 
-    def save(self, trainer: Trainer) -> Path:
+    def save(self, trainer: Trainer) -> Path | None:
         """Write a checkpoint now (collective) and prune the ones no longer kept."""
+        if self.save_top_k == 0 and not self.save_last:
+            return None
         dirpath = self.resolve_dirpath(trainer)
         metrics = trainer.callback_metrics
         score = None
@@ -127,10 +129,10 @@ class ModelCheckpoint(Callback):
             raise KeyError(f"ModelCheckpoint filename {self.filename!r} names {err}, which is not logged; "
                            f"available: {sorted(fields)}.") from err
         name = name.replace("/", "_")
-        path = trainer.save_checkpoint(dirpath, name)
-        self._last_step = trainer.global_step
+        self._last_step = trainer.global_step  # before saving: the checkpoint carries this callback's state
         self.saved = [s for s in self.saved if s["name"] != name]
         self.saved.append({"name": name, "step": trainer.global_step, "score": score})
+        path = trainer.save_checkpoint(dirpath, name)
         if trainer.is_global_zero:
             self._prune(dirpath, name)
         return path

@@ -19,7 +19,7 @@ class EarlyStopping(Callback):
 
     Args:
         monitor: metric name. min_delta: smallest change that counts as improvement.
-        patience: validation checks without improvement before stopping. mode: "min" or "max".
+        patience: validation checks in a row without improvement that stop training. mode: "min" or "max".
         check_finite: stop at once when the metric is nan or inf.
         stopping_threshold: stop as soon as the metric reaches this value.
     """
@@ -72,7 +72,7 @@ class EarlyStopping(Callback):
             self.best, self.wait = value, 0
         else:
             self.wait += 1
-            if self.wait > self.patience:
+            if self.wait >= self.patience:
                 reason = f"{self.monitor} did not improve for {self.wait} checks (best {self.best:.6g})"
         reason = trainer.strategy.broadcast_object(reason)
         if reason is not None:

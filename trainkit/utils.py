@@ -1,0 +1,23 @@
+"""Small helpers shared across trainkit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` made JSON-safe for meta.json: containers recursively, scalars kept, tensors as numbers
+    or lists (strings when large), anything else as its repr."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set):
+        return [jsonable(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1:
+            return value.item()
+        return value.tolist() if value.numel() <= 1024 else repr(value)
+    return repr(value)
