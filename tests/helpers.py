@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torchmetrics import MeanSquaredError
 
 import trainkit as tk
 from trainkit.callbacks import Callback
@@ -60,6 +61,22 @@ class Regression(tk.TrainModule):
             return opt
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.7)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class ValidatedRegression(Regression):
+    """Validation logged with sync_dist (a batch-weighted mean) and through a torchmetrics metric."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mse = MeanSquaredError()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        pred = self(x)
+        self.log("val_loss", F.mse_loss(pred, y), sync_dist=True)
+        self.log("val_max", (pred - y).abs().max(), sync_dist=True, reduce_fx="max")
+        self.mse(pred, y)
+        self.log("val_mse", self.mse)
 
 
 class MaskedSequences(Dataset):

@@ -144,6 +144,7 @@ class FitLoop:
                 batch = t.to_device(batch)
             for fn in batch_start:
                 fn(batch, batch_idx)
+            t._results.batch = batch
             boundary = self._window + 1 == k or batch_idx + 1 >= limit
             outputs = self._micro_step(batch, batch_idx, boundary, k)
             batch_idx += 1
@@ -336,6 +337,7 @@ class EvalLoop:
         multi = len(loaders) > 1
         with torch.no_grad(), t.strategy.forward_context():
             for dl_idx, batch_idx, batch in self._batches(loaders, limit):
+                t._results.batch = batch
                 out = step_fn(batch, batch_idx, dataloader_idx=dl_idx) if multi else step_fn(batch, batch_idx)
                 for fn in batch_end:
                     fn(out, batch, batch_idx)

@@ -96,8 +96,10 @@ class TrainModule(ModelHooks, nn.Module):
         """Record a scalar (tensor, number or torchmetrics Metric).
 
         Defaults follow the stage: training logs per step, validation/test per epoch. ``on_epoch``
-        aggregates with ``reduce_fx`` (mean weighted by ``batch_size``, sum, max, min); ``sync_dist``
-        reduces across ranks when the value is emitted. Metrics objects compute and reset at epoch end.
+        aggregates with ``reduce_fx`` (mean weighted by ``batch_size``, inferred from the batch's first
+        tensor when not given; sum, max, min); ``sync_dist`` reduces across ranks when the value is
+        emitted, so an epoch mean is the mean over every sample on every rank. Metrics objects compute
+        (synchronising across ranks) and reset at epoch end.
         """
         if self._trainer is None:
             return

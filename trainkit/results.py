@@ -15,6 +15,8 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
+from trainkit.utils import infer_batch_size
+
 _REDUCE_FX = ("mean", "sum", "max", "min")
 
 
@@ -39,6 +41,7 @@ class Results:
     def __init__(self, reduce: Callable[[Tensor, str], Tensor]) -> None:
         self._reduce = reduce
         self.stage = "train"
+        self.batch: Any = None  # the batch being processed: epoch means weight by its size by default
         self._entries: dict[str, dict[str, _Entry]] = {}
 
     @property
@@ -74,7 +77,9 @@ class Results:
             raise TypeError(f"self.log({name!r}) needs a number, a scalar tensor or a Metric; got {type(value)}.")
         entry.last = value
         if entry.on_epoch:
-            weight = 1.0 if batch_size is None else float(batch_size)
+            if batch_size is None:
+                batch_size = infer_batch_size(self.batch) or 1
+            weight = float(batch_size)
             value = torch.as_tensor(value, dtype=torch.float64).reshape(())
             fx = entry.reduce_fx
             if entry.total is None:

@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+
+def infer_batch_size(batch: Any) -> int:
+    """Leading dimension of the first tensor found in a batch (0 when there is none)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, list | tuple):
+        for item in batch:
+            size = infer_batch_size(item)
+            if size:
+                return size
+    return 0
 
 
 def jsonable(value: Any) -> Any:

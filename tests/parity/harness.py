@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
-from tests.helpers import MaskedRegression, MaskedSequences, Regression, regression_data
+from tests.helpers import MaskedRegression, MaskedSequences, Regression, ValidatedRegression, regression_data
 from trainkit import Trainer
 from trainkit.callbacks import Callback
 from trainkit_strategies import get_strategy
@@ -50,6 +50,7 @@ class Case:
     per_rank_batch: int = 4
     model: str = "regression"  # "regression" (plain mean loss) or "masked" (variable num_items)
     record_comm: bool = False
+    validate: bool = False  # validate every 5 steps on 13 samples (uneven across ranks): val_* metrics
 
     def tolerance(self) -> dict[str, float]:
         return BF16 if "bf16" in self.precision else FP32
@@ -62,6 +63,7 @@ class Result:
     params: dict[str, torch.Tensor]
     comm: list[dict[str, int]] = field(default_factory=list)  # bytes per micro-step, by collective kind
     psi: int = 0
+    val: dict[str, float] = field(default_factory=dict)
 
 
 class Probe(Callback):
@@ -103,7 +105,7 @@ def _module_and_data(case: Case, world_size: int) -> tuple[Any, Any]:
     samples = case.steps * case.accumulate * case.per_rank_batch * world_size
     if case.model == "masked":
         return MaskedRegression(), MaskedSequences(samples)
-    return Regression(), regression_data(samples)
+    return (ValidatedRegression() if case.validate else Regression()), regression_data(samples)
 
 
 def run_case(case: Case, world_size: int, per_rank_batch: int) -> Result:
@@ -111,16 +113,19 @@ def run_case(case: Case, world_size: int, per_rank_batch: int) -> Result:
     module, data = _module_and_data(case, world_size)
     probe = Probe(case.record_comm)
     strategy = get_strategy(case.strategy, **case.options)
+    val = DataLoader(regression_data(13, seed=5), batch_size=per_rank_batch) if case.validate else None
     trainer = Trainer(
+        val_check_interval=5 if case.validate else None,
         strategy=strategy, precision=case.precision, accumulate_grad_batches=case.accumulate,
         gradient_clip_val=case.clip, max_steps=case.steps, seed=0, logger=False, enable_progress_bar=False,
         enable_checkpointing=False, num_sanity_val_steps=0, callbacks=[probe], timeout_s=120,
         default_root_dir=tempfile.gettempdir(),
     )
-    trainer.fit(module, DataLoader(data, batch_size=per_rank_batch, shuffle=True))
+    trainer.fit(module, DataLoader(data, batch_size=per_rank_batch, shuffle=True), val)
     params = {k: v.detach().float().clone() for k, v in strategy.full_parameters().items()}
     psi = sum(p.numel() for p in module.parameters())
-    return Result(probe.losses, probe.grads, params, probe.comm, psi)
+    metrics = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
+    return Result(probe.losses, probe.grads, params, probe.comm, psi, metrics)
 
 
 def run_reference(case: Case, world_size: int) -> Result:
@@ -135,7 +140,8 @@ def _save(result: Result, path: Path) -> None:
         tensors |= {f"grad{i}/{k}": v for k, v in grads.items()}
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path.with_suffix(".safetensors")))
     path.with_suffix(".json").write_text(json.dumps({"losses": result.losses, "comm": result.comm,
-                                                     "steps": len(result.grads), "psi": result.psi}))
+                                                     "steps": len(result.grads), "psi": result.psi,
+                                                     "val": result.val}))
 
 
 def _load(path: Path) -> Result:
@@ -144,7 +150,7 @@ def _load(path: Path) -> Result:
     params = {k[6:]: v for k, v in tensors.items() if k.startswith("param/")}
     grads = [{k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith(f"grad{i}/")}
              for i in range(meta["steps"])]
-    return Result(meta["losses"], grads, params, meta["comm"], meta["psi"])
+    return Result(meta["losses"], grads, params, meta["comm"], meta["psi"], meta["val"])
 
 
 def _worker(rank: int, world_size: int, port: int, cases: list[Case], out: str) -> None:
@@ -200,6 +206,9 @@ def assert_parity(result: Result, reference: Result, tolerance: dict[str, float]
         for name in want:
             torch.testing.assert_close(got[name], want[name], **tolerance,
                                        msg=lambda m, n=name, s=step: f"grad {n} at step {s}: {m}")
+    assert result.val.keys() == reference.val.keys()
+    for name, want in reference.val.items():
+        torch.testing.assert_close(result.val[name], want, **tolerance, msg=lambda m, n=name: f"metric {n}: {m}")
     assert result.params.keys() == reference.params.keys()
     for name in reference.params:
         torch.testing.assert_close(result.params[name], reference.params[name], **tolerance,

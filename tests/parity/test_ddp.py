@@ -9,7 +9,7 @@ from tests.parity.harness import Case, assert_parity, run_reference, run_world
 SMALL_BUCKETS = {"bucket_mb": 0.0004}  # ~400 B: the 8-16-1 MLP spreads over several buckets
 
 CASES = [
-    Case("acc1", "ddp", SMALL_BUCKETS),
+    Case("acc1_validate", "ddp", SMALL_BUCKETS, validate=True),
     Case("acc4_clip", "ddp", SMALL_BUCKETS, accumulate=4, clip=0.05),
     Case("acc1_clip_one_bucket", "ddp", {}, clip=0.05),
     Case("acc4_num_items", "ddp", SMALL_BUCKETS, accumulate=4, model="masked"),
@@ -27,6 +27,12 @@ def world(request):
 def test_ddp_matches_single_process(world, case):
     world_size, results = world
     assert_parity(results[case.name], run_reference(case, world_size), case.tolerance())
+
+
+def test_validation_metrics_reduce_over_every_sample(world):
+    """sync_dist means and torchmetrics see each of the 13 validation samples once, on any world size."""
+    _, results = world
+    assert {"val_loss", "val_max", "val_mse"} <= results["acc1_validate"].val.keys()
 
 
 def test_ddp_communicates_psi_per_step_and_nothing_on_micro_steps(world):

@@ -6,27 +6,12 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from trainkit.callbacks.base import Callback
+from trainkit.utils import infer_batch_size
 
 if TYPE_CHECKING:
     from trainkit.module import TrainModule
     from trainkit.trainer import Trainer
-
-
-def infer_batch_size(batch: Any) -> int:
-    """Leading dimension of the first tensor found in the batch."""
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() else 1
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    if isinstance(batch, list | tuple):
-        for item in batch:
-            size = infer_batch_size(item)
-            if size:
-                return size
-    return 0
 
 
 class ThroughputMonitor(Callback):
@@ -40,7 +25,7 @@ class ThroughputMonitor(Callback):
     def __init__(self, batch_size_fn: Callable[[Any], int] | None = None) -> None:
         self.batch_size_fn = batch_size_fn or infer_batch_size
         self._samples = 0
-        self._items = 0.0
+        self._items: Any = 0.0
         self._t0 = 0.0
         self._last_step = -1
         self.last: dict[str, float] = {}
@@ -52,7 +37,7 @@ class ThroughputMonitor(Callback):
                            batch_idx: int) -> None:
         self._samples += self.batch_size_fn(batch)
         if isinstance(outputs, Mapping) and outputs.get("num_items") is not None:
-            self._items += float(outputs["num_items"])
+            self._items = self._items + outputs["num_items"]  # a tensor stays on device until logged
         step = trainer.global_step
         if step == self._last_step or step % trainer.log_every_n_steps != 0:
             return
@@ -61,7 +46,7 @@ class ThroughputMonitor(Callback):
         elapsed = max(now - self._t0, 1e-9)
         world = trainer.world_size
         self.last = {"throughput/samples_per_sec": self._samples * world / elapsed}
-        if self._items:
-            self.last["throughput/items_per_sec"] = self._items * world / elapsed
+        if float(self._items):
+            self.last["throughput/items_per_sec"] = float(self._items) * world / elapsed
         trainer.log_metrics(self.last, step)
         self._samples, self._items, self._t0 = 0, 0.0, now
