@@ -14,3 +14,10 @@ def test_trainer_overhead_smoke():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "raw PyTorch loop" in proc.stdout and "Trainer (logger/bar/ckpt off)" in proc.stdout
+
+
+def test_strategies_smoke():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "strategies.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trainkit ddp" in proc.stdout and "scaling efficiency" in proc.stdout

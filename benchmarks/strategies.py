@@ -1,0 +1,154 @@
+"""trainkit's strategies beside their torch-native references, in one process tree, alternating.
+
+Reference workload (DESIGN.md): 2 ranks, gloo, 1 thread each, an MLP of 4 blocks [512 -> 2048 -> 512],
+batch 32 per rank, AdamW. Every variant builds the same model from the same seed and runs the same
+step (forward, MSE loss, backward, gradient reduction, AdamW step, zero grad). Variants take turns in
+rounds of ``--steps`` steps so that drift in machine load hits all of them; each round's mean step time
+is one sample and the median over rounds is reported, with ratios against the references.
+
+Scaling efficiency: one rank training its own share (batch 32, no communication) against two ranks
+(batch 32 each): 1.0 means the second rank's data came for free.
+
+    python benchmarks/strategies.py                 # reference workload (minutes)
+    python benchmarks/strategies.py --smoke         # tiny model, seconds; what CI runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from trainkit_strategies import Environment, Precision, get_strategy
+
+Step = Callable[[], None]
+
+
+def make_model(width: int, hidden: int, blocks: int) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(blocks):
+        layers += [nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, width)]
+    return nn.Sequential(*layers)
+
+
+def trainkit_variant(name: str, options: dict, env: Environment, shape: tuple[int, int, int],
+                     x: torch.Tensor) -> Step:
+    model = make_model(*shape)
+    strategy = get_strategy(name, **options)
+    strategy.setup_environment(env)
+    strategy.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4), Precision.from_name("32"))
+    scale = 1.0 / strategy.world_size
+
+    def step() -> None:
+        with strategy.forward_context():
+            loss = F.mse_loss(model(x), x)
+        strategy.backward(loss)
+        strategy.reduce_gradients(scale)
+        strategy.optimizer_step()
+        strategy.zero_grad()
+
+    return step
+
+
+def torch_ddp_variant(shape: tuple[int, int, int], x: torch.Tensor) -> Step:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(make_model(*shape))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        F.mse_loss(model(x), x).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def local_variant(shape: tuple[int, int, int], x: torch.Tensor) -> Step:
+    """One rank on its share with no communication: the scaling-efficiency baseline."""
+    model = make_model(*shape)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        F.mse_loss(model(x), x).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    env = Environment.from_env("cpu", timeout_s=600)
+    shape = (64, 128, 2) if args.smoke else (512, 2048, 4)
+    batch = 8 if args.smoke else 32
+    x = torch.randn(batch, shape[0], generator=torch.Generator().manual_seed(rank))
+    variants: dict[str, Step] = {"trainkit ddp": trainkit_variant("ddp", {}, env, shape, x)}
+    variants["torch DDP"] = torch_ddp_variant(shape, x)
+    times: dict[str, list[float]] = {name: [] for name in [*variants, "1 rank, its share"]}
+    local = local_variant(shape, x) if rank == 0 else None
+    for name, step in variants.items():  # warm-up
+        for _ in range(2):
+            step()
+    for _ in range(args.rounds):
+        for name, step in variants.items():
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            dist.barrier()
+            times[name].append((time.perf_counter() - start) / args.steps)
+        dist.barrier()
+        if local is not None:
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                local()
+            times["1 rank, its share"].append((time.perf_counter() - start) / args.steps)
+        dist.barrier()
+    if rank == 0:
+        out.update({name: statistics.median(ts) for name, ts in times.items()})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny model and few steps (CI)")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=5, help="steps per variant per round")
+    args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.steps = 2, 2
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.start_processes(_worker, args=(2, port, args, out), nprocs=2, start_method="spawn")
+        medians = dict(out)
+    model = "2 x [64 -> 128 -> 64], batch 8" if args.smoke else "4 x [512 -> 2048 -> 512], batch 32"
+    print(f"2 ranks, gloo, 1 thread each, MLP {model} per rank, AdamW; median of {args.rounds} rounds "
+          f"x {args.steps} steps")
+    print(f"{'variant':<24}{'step (ms)':>11}{'vs torch DDP':>14}")
+    for name in ("trainkit ddp", "torch DDP"):
+        print(f"{name:<24}{medians[name] * 1e3:>11.1f}{medians[name] / medians['torch DDP']:>14.3f}")
+    share = medians["1 rank, its share"]
+    print(f"{'1 rank, its share':<24}{share * 1e3:>11.1f}")
+    print(f"scaling efficiency (1 rank / 2 ranks): trainkit ddp {share / medians['trainkit ddp']:.3f}, "
+          f"torch DDP {share / medians['torch DDP']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
