@@ -293,6 +293,19 @@ def _local_norm(grads: list[Tensor], norm_type: float, device: torch.device) -> 
     return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
 
 
+def sharded_norm(shards: list[Tensor], norm_type: float, comm: Comm, device: torch.device) -> Tensor:
+    """The norm of the concatenation of every rank's ``shards`` (zero padding does not change it)."""
+    local = _local_norm(shards, norm_type, device)
+    if not comm.active:
+        return local
+    if norm_type == float("inf"):
+        comm.all_reduce(local, "max")
+        return local
+    powered = local.pow(norm_type)
+    comm.all_reduce(powered)
+    return powered.pow(1.0 / norm_type)
+
+
 # -- capabilities ----------------------------------------------------------------------------------
 class ShardedInit(ABC):
     """The strategy can build the model on the meta device and materialise only this rank's shards."""

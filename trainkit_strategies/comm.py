@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -172,6 +173,21 @@ class Comm:
             return _DONE
         self._count("broadcast", tensor)
         return self._run(dist.broadcast, tensor, src=self.ranks[src], async_op=async_op)
+
+    def broadcast_coalesced(self, tensors: list[Tensor], src: int = 0) -> None:
+        """Broadcast ``tensors`` from group rank ``src`` in place, one flattened collective per dtype."""
+        if not self.active:
+            return
+        by_dtype: dict[object, list[Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            self.broadcast(flat, src)
+            offset = 0
+            for t in group:
+                t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
 
     def send(self, tensor: Tensor, dst: int) -> Handle:
         """Asynchronous point-to-point send to group rank ``dst``."""

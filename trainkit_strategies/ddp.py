@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 
 from trainkit_strategies.base import Strategy
 from trainkit_strategies.comm import Handle
+from trainkit_strategies.flat import OrderedLauncher, pack
 from trainkit_strategies.precision import Precision
 
 
@@ -31,10 +32,7 @@ from trainkit_strategies.precision import Precision
 class _Bucket:
     params: list[nn.Parameter]
     buffer: Tensor
-    views: list[Tensor]
-    pending: int = 0
     handle: Handle | None = None
-    launched: bool = False
 
 
 @dataclass
@@ -70,8 +68,7 @@ class DDPStrategy(Strategy):
         self._slots: dict[nn.Parameter, _Slot] = {}
         self._names: dict[nn.Parameter, str] = {}
         self._syncing = True
-        self._next = 0
-        self._last_backward_synced = False
+        self._launcher = OrderedLauncher([], self._launch)
         self._views_detached = False
 
     # -- setup ---------------------------------------------------------------------------------------
@@ -81,7 +78,7 @@ class DDPStrategy(Strategy):
             for handle in slot.hooks:
                 handle.remove()
         with torch.no_grad():
-            self._broadcast([*module.parameters(), *module.buffers()])
+            self.comm.broadcast_coalesced([*module.parameters(), *module.buffers()])
         self._names = {p: n for n, p in module.named_parameters()}
         params = [p for p in module.parameters() if p.requires_grad]
         self._build_buckets(params)
@@ -89,43 +86,20 @@ class DDPStrategy(Strategy):
             slot.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     def _build_buckets(self, params: list[nn.Parameter]) -> None:
-        limit = int(self.bucket_mb * 2**20)
-        groups: list[list[nn.Parameter]] = []
-        size = 0
-        for p in reversed(params):
-            if not groups or size + p.numel() * p.element_size() > limit or groups[-1][0].dtype != p.dtype:
-                groups.append([])
-                size = 0
-            groups[-1].append(p)
-            size += p.numel() * p.element_size()
+        groups = pack(list(reversed(params)), int(self.bucket_mb * 2**20), key=lambda p: p.dtype)
         self._buckets, self._slots = [], {}
         for index, group in enumerate(groups):
             buffer = torch.zeros(sum(p.numel() for p in group), dtype=group[0].dtype, device=self.device)
-            views, offset = [], 0
+            offset = 0
             for p in group:
                 view = buffer[offset : offset + p.numel()].view_as(p)
                 if p.grad is not None:
                     view.copy_(p.grad)
                 p.grad = view
-                views.append(view)
                 self._slots[p] = _Slot(index, view)
                 offset += p.numel()
-            self._buckets.append(_Bucket(group, buffer, views))
-
-    def _broadcast(self, tensors: list[Tensor]) -> None:
-        """Coalesced broadcast from rank 0: one collective per dtype."""
-        if not self.comm.active:
-            return
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        for group in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in group])
-            self.comm.broadcast(flat, src=0)
-            offset = 0
-            for t in group:
-                t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+            self._buckets.append(_Bucket(group, buffer))
+        self._launcher = OrderedLauncher([len(g) for g in groups], self._launch)
 
     # -- backward and reduction ----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -137,11 +111,8 @@ class DDPStrategy(Strategy):
             self._syncing = previous
 
     def backward(self, loss: Tensor) -> None:
-        self._last_backward_synced = self._syncing
         if self._syncing:
-            for bucket in self._buckets:
-                bucket.pending = len(bucket.params)
-            self._next = 0
+            self._launcher.reset()
         loss.backward()
 
     def _on_grad(self, param: Tensor) -> None:
@@ -150,18 +121,12 @@ class DDPStrategy(Strategy):
         if param.grad is not slot.view and param.grad.data_ptr() != slot.view.data_ptr():
             slot.view.copy_(param.grad)  # someone replaced .grad (e.g. optimizer.zero_grad()): re-attach
             param.grad = slot.view
-        if not self._syncing:
-            return
-        bucket = self._buckets[slot.bucket]
-        bucket.pending -= 1
-        while self._next < len(self._buckets) and self._buckets[self._next].pending == 0:
-            self._launch(self._buckets[self._next])
-            self._next += 1
+        if self._syncing:
+            self._launcher.ready(slot.bucket)
 
-    def _launch(self, bucket: _Bucket) -> None:
-        if not bucket.launched:
-            bucket.launched = True
-            bucket.handle = self.comm.all_reduce(bucket.buffer, async_op=True)
+    def _launch(self, index: int) -> None:
+        bucket = self._buckets[index]
+        bucket.handle = self.comm.all_reduce(bucket.buffer, async_op=True)
 
     def reduce_gradients(self, scale: float | Tensor) -> None:
         unused = [p for p, s in self._slots.items() if not s.used]
@@ -179,17 +144,17 @@ class DDPStrategy(Strategy):
             globally_unused = [p for p, u in zip(self._slots, used.tolist(), strict=True) if u == 0]
         elif self.find_unused_parameters:
             globally_unused = unused
-        for bucket in self._buckets:
-            self._launch(bucket)  # buckets whose hooks did not all fire (unused params, or a no_sync flush)
+        self._launcher.flush()  # buckets whose hooks did not all fire (unused params, or a no_sync flush)
         apply_scale = not (isinstance(scale, float | int) and scale == 1.0)
         for bucket in self._buckets:
             if bucket.handle is not None:
                 bucket.handle.wait()
-            bucket.handle, bucket.launched = None, False
+            bucket.handle = None
             if apply_scale:
                 bucket.buffer.mul_(scale)
         for slot in self._slots.values():
             slot.used = False
+        self._launcher.reset()
         for p in globally_unused:
             p.grad = None
             self._views_detached = True
@@ -199,7 +164,7 @@ class DDPStrategy(Strategy):
         if self.broadcast_buffers and self.comm.active:
             buffers = [b for b in self.module.buffers() if b.is_floating_point()]
             if buffers:
-                self._broadcast(buffers)
+                self.comm.broadcast_coalesced(buffers)
 
     def zero_grad(self) -> None:
         for bucket in self._buckets:

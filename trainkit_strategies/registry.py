@@ -11,6 +11,9 @@ from trainkit_strategies.base import Strategy
 _BUILTIN = {
     "single": "trainkit_strategies.single:SingleStrategy",
     "ddp": "trainkit_strategies.ddp:DDPStrategy",
+    "zero1": "trainkit_strategies.zero:Zero1Strategy",
+    "zero2": "trainkit_strategies.zero:Zero2Strategy",
+    "zero_offload": "trainkit_strategies.zero:ZeroOffloadStrategy",
 }
 
 

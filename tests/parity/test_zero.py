@@ -1,0 +1,57 @@
+"""ZeRO-1, ZeRO-2 and ZeRO-Offload at 2 and 3 ranks against the single-process reference."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.parity.harness import Case, assert_parity, run_reference, run_world
+
+SMALL = {"bucket_mb": 0.0004}  # several buckets per param group on the 8-16-1 MLP
+
+CASES = [
+    case
+    for name, options in (("zero1", SMALL), ("zero2", SMALL), ("zero_offload", {**SMALL, "ratio": 0.5}))
+    for case in (
+        Case(f"{name}-acc1", name, options),
+        Case(f"{name}-acc4-clip", name, options, accumulate=4, clip=0.05),
+        Case(f"{name}-acc4-num_items", name, options, accumulate=4, model="masked"),
+        Case(f"{name}-bf16-acc4-clip", name, options, precision="bf16-mixed", accumulate=4, clip=0.05),
+    )
+] + [
+    Case("zero2-one-bucket-clip", "zero2", {}, clip=0.05),
+    Case("zero1-comm-acc4", "zero1", SMALL, accumulate=4, steps=3, record_comm=True),
+    Case("zero2-comm-acc1", "zero2", SMALL, steps=3, record_comm=True),
+]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["W2", "W3"])
+def world(request):
+    return request.param, run_world(request.param, CASES)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not c.record_comm], ids=lambda c: c.name)
+def test_zero_matches_single_process(world, case):
+    world_size, results = world
+    assert_parity(results[case.name], run_reference(case, world_size), case.tolerance())
+
+
+def test_zero1_reduce_scatters_and_gathers_psi_per_step_and_nothing_on_micro_steps(world):
+    world_size, results = world
+    result = results["zero1-comm-acc4"]
+    assert len(result.comm) == 12
+    for i, moved in enumerate(result.comm):
+        if (i + 1) % 4:
+            assert moved == {}, f"micro-step {i} communicated {moved}"
+        else:
+            # Ψ plus each bucket's padding, in fp32 bytes: one reduce-scatter in, one all-gather out
+            assert moved.keys() == {"reduce_scatter", "all_gather"}
+            assert moved["reduce_scatter"] == moved["all_gather"]
+            assert result.psi * 4 <= moved["reduce_scatter"] <= (result.psi + 6 * world_size * 16) * 4
+
+
+def test_zero2_moves_psi_each_way_per_step(world):
+    world_size, results = world
+    for moved in results["zero2-comm-acc1"].comm:
+        assert moved.keys() == {"reduce_scatter", "all_gather"}
+        assert moved["reduce_scatter"] == moved["all_gather"]
+        assert results["zero2-comm-acc1"].psi * 4 <= moved["reduce_scatter"]

@@ -1,0 +1,124 @@
+"""Flat buffers split into equal pieces across ranks, and in-order launching of their collectives.
+
+Shared by every strategy that communicates gradients or parameters in buckets (DDP, ZeRO-1/2,
+ZeRO-3/FSDP): a ``FlatUnit`` lays whole parameters end to end, pads the total to a multiple of
+``world_size * ALIGN`` elements, and gives rank ``r`` the ``r``-th equal piece. One reduce-scatter of
+the unit hands every rank the reduced gradients of its piece; one all-gather of the pieces rebuilds the
+unit. ``Segment``s say which parameter elements a piece holds, which is what universal checkpoints store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from trainkit_strategies.state import Segment
+
+ALIGN = 16  # elements: pieces start on 64-byte boundaries for fp32 (32 for bf16)
+
+
+@dataclass
+class FlatUnit:
+    """Parameters ``params`` (named ``names``) at ``offsets`` of a flat buffer of ``padded`` elements."""
+
+    params: list[Tensor]
+    names: list[str]
+    offsets: list[int]
+    numel: int
+    padded: int
+    world_size: int
+    group: int = 0  # optimizer param group the unit belongs to
+    index: int = 0  # position in the launch order
+    start: int = 0  # where the unit sits in its group's flat buffer
+    shard_start: int = 0  # where this rank's piece sits in its group's flat shard
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, params: Sequence[Tensor], names: Sequence[str], world_size: int, group: int = 0) -> FlatUnit:
+        offsets, total = [], 0
+        for p in params:
+            offsets.append(total)
+            total += p.numel()
+        quantum = world_size * ALIGN
+        padded = max(quantum, -(-total // quantum) * quantum)
+        return cls(list(params), list(names), offsets, total, padded, world_size, group)
+
+    def param_views(self, flat: Tensor) -> list[Tensor]:
+        """Each parameter's slice of ``flat`` (this unit's buffer), shaped like the parameter."""
+        return [flat[off : off + p.numel()].view(p.shape) for p, off in zip(self.params, self.offsets, strict=True)]
+
+    @property
+    def piece(self) -> int:
+        return self.padded // self.world_size
+
+    def piece_range(self, rank: int) -> tuple[int, int]:
+        return rank * self.piece, (rank + 1) * self.piece
+
+    def segments(self, rank: int, base: int = 0) -> list[Segment]:
+        """The parameter ranges in ``rank``'s piece, with local offsets starting at ``base``."""
+        lo, hi = self.piece_range(rank)
+        out = []
+        for name, p, off in zip(self.names, self.params, self.offsets, strict=True):
+            a, b = max(lo, off), min(hi, off + p.numel())
+            if a < b:
+                out.append(Segment(name, a - off, b - off, base + a - lo))
+        return out
+
+
+def pack(params: Sequence[Tensor], limit_bytes: int, key: Callable[[Tensor], object] = lambda p: None,
+         ) -> list[list[Tensor]]:
+    """Group ``params`` (in the given order) into buckets of at most ``limit_bytes`` (a larger parameter
+    gets a bucket of its own); parameters with different ``key`` never share a bucket, and a bucket
+    stays open while parameters of other keys are packed, so interleaved groups do not fragment."""
+    open_: dict[object, list[Tensor]] = {}
+    sizes: dict[object, int] = {}
+    closed: list[list[Tensor]] = []
+    for p in params:
+        k = key(p)
+        size = p.numel() * p.element_size()
+        if k in open_ and sizes[k] + size > limit_bytes:
+            closed.append(open_.pop(k))
+        if k not in open_:
+            open_[k], sizes[k] = [], 0
+        open_[k].append(p)
+        sizes[k] += size
+    return closed + list(open_.values())
+
+
+class OrderedLauncher:
+    """Starts one collective per bucket as buckets fill, strictly in bucket order.
+
+    Every rank must issue collectives in the same order; backward fills buckets in roughly, not
+    exactly, the same order everywhere, so bucket ``i`` is launched only once buckets ``0..i-1`` have
+    been. ``flush`` launches whatever is left (parameters without gradients, windows cut short).
+    """
+
+    def __init__(self, counts: Sequence[int], launch: Callable[[int], None]) -> None:
+        self.counts = list(counts)
+        self._launch = launch
+        self.pending = list(counts)
+        self.launched = [False] * len(counts)
+        self.next = 0
+
+    def reset(self) -> None:
+        self.pending = list(self.counts)
+        self.launched = [False] * len(self.counts)
+        self.next = 0
+
+    def ready(self, bucket: int) -> None:
+        self.pending[bucket] -= 1
+        while self.next < len(self.counts) and self.pending[self.next] == 0:
+            self._fire(self.next)
+            self.next += 1
+
+    def _fire(self, bucket: int) -> None:
+        if not self.launched[bucket]:
+            self.launched[bucket] = True
+            self._launch(bucket)
+
+    def flush(self) -> None:
+        for bucket in range(len(self.counts)):
+            self._fire(bucket)
+        self.next = len(self.counts)
