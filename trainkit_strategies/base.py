@@ -236,17 +236,25 @@ class Strategy(ABC):
     # -- state -------------------------------------------------------------------------------------
     def state_layout(self) -> st.StateLayout:
         """Describe the model and optimizer state this rank holds (replicated: everything, whole)."""
-        assert self.module is not None
-        names = st.param_names(self.module)
-        writer = self.is_global_zero
-        model = [st.whole_holder(n, p, writer) for p, n in names.items()]
-        buffers = st.persistent_buffers(self.module)
-        model += [st.whole_holder(n, b, writer) for n, b in buffers]
-        shapes = {n: tuple(p.shape) for p, n in names.items()} | {n: tuple(b.shape) for n, b in buffers}
+        shapes, model = self._whole_state(skip=set())
         holders = []
         if self.optimizer is not None:
-            holders = [st.whole_holder(names[p], p, writer) for g in self.optimizer.param_groups for p in g["params"]]
+            names = st.param_names(self.module)
+            holders = [st.whole_holder(names[p], p, self.is_global_zero)
+                       for g in self.optimizer.param_groups for p in g["params"]]
         return st.StateLayout(shapes, model, self.optimizer, holders, self._group_names)
+
+    def _whole_state(self, skip: set[str]) -> tuple[dict[str, tuple[int, ...]], list[st.Holder]]:
+        """Global shapes of every parameter and persistent buffer, and whole holders (rank 0 writes)
+        for those not named in ``skip`` (the ones a sharded strategy describes itself)."""
+        assert self.module is not None
+        names = st.param_names(self.module)
+        buffers = st.persistent_buffers(self.module)
+        shapes = {n: tuple(p.shape) for p, n in names.items()} | {n: tuple(b.shape) for n, b in buffers}
+        writer = self.is_global_zero
+        holders = [st.whole_holder(n, p, writer) for p, n in names.items() if n not in skip]
+        holders += [st.whole_holder(n, b, writer) for n, b in buffers]
+        return shapes, holders
 
     def state_pieces(self) -> list[st.Piece]:
         return st.collect_pieces(self.state_layout())

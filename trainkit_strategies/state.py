@@ -144,7 +144,7 @@ def collect_pieces(layout: StateLayout) -> list[Piece]:
                 for seg in holder.segments:
                     if seg.start == 0:
                         key = f"optim/{seg.name}/{state_key}"
-                        pieces.append(Piece(key, (), value.dtype, 0, 1, value.detach().reshape(1)))
+                        pieces.append(Piece(key, (), value.dtype, 0, 1, value.detach().reshape(1).clone()))
             elif len(holder.segments) == 1 and holder.segments[0].start == 0:
                 name = holder.segments[0].name
                 flat = value.detach().reshape(-1)

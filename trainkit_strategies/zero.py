@@ -328,9 +328,7 @@ class ZeroStrategy(Strategy):
         return out
 
     def state_layout(self) -> st.StateLayout:
-        assert self.module is not None
-        layout = super().state_layout()
-        sharded = {n for u in self._units for n in u.names}
+        shapes, whole = self._whole_state(skip={n for u in self._units for n in u.names})
         holders = []
         for g in self._groups:
             for master, lo, hi in ((g.master_device, 0, g.device_part), (g.master_host, g.device_part, g.shard)):
@@ -338,9 +336,7 @@ class ZeroStrategy(Strategy):
                     segments = [s for u in g.units if lo <= u.shard_start < hi
                                 for s in u.segments(self.rank, u.shard_start - lo)]
                     holders.append(st.Holder(master, tuple(segments), True))
-        layout.model = [h for h in layout.model if h.segments[0].name not in sharded] + holders
-        layout.optimizer_holders = holders
-        return layout
+        return st.StateLayout(shapes, whole + holders, self.optimizer, holders, self._group_names)
 
     def _after_load(self) -> None:
         self._gather_working()

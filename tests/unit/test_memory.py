@@ -1,0 +1,95 @@
+"""Per-rank model-state bytes against the ZeRO paper's accounting (§3.1, mixed precision + Adam):
+DP 16Ψ, ZeRO-1 4Ψ + 12Ψ/N, ZeRO-2 2Ψ + 14Ψ/N; ZeRO-Offload moves the 12Ψ/N to host memory.
+
+Ranks are simulated with torch's fake process group (collectives are no-ops), one world at a time in
+this process: memory does not depend on what the collectives carry.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from tests.helpers import adamw_groups
+from trainkit_strategies import Environment, Precision, get_strategy
+from trainkit_strategies.flat import ALIGN
+
+
+@pytest.fixture
+def fake_world(request):
+    world = request.param
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=world)
+    yield world
+    dist.destroy_process_group()
+
+
+def _stepped(name: str, world: int, precision: str = "bf16-mixed"):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(96, 320), nn.GELU(), nn.Linear(320, 96))
+    psi = sum(p.numel() for p in model.parameters())
+    strategy = get_strategy(name)
+    strategy.setup_environment(Environment(rank=1, world_size=world))
+    strategy.setup(model, adamw_groups(model), Precision.from_name(precision))
+    with strategy.forward_context():
+        loss = model(torch.randn(4, 96)).float().square().mean()
+    strategy.backward(loss)
+    strategy.reduce_gradients(1.0 / world)
+    strategy.optimizer_step()
+    strategy.zero_grad()
+    return strategy, psi
+
+
+def _padded(strategy) -> tuple[int, int]:
+    """Elements of all buckets (padding included) and of this rank's shard."""
+    padded = sum(u.padded for u in strategy._units)
+    return padded, padded // strategy.world_size
+
+
+def _adam_steps(strategy) -> int:
+    return 4 * sum(1 for s in strategy.optimizer.state.values() if "step" in s)
+
+
+@pytest.mark.parametrize("fake_world", [2, 4], indirect=True)
+def test_zero1_holds_4psi_plus_12psi_over_n(fake_world):
+    strategy, psi = _stepped("zero1", fake_world)
+    padded, shard = _padded(strategy)
+    assert padded - psi < len(strategy._units) * fake_world * ALIGN
+    report = strategy.memory_report()
+    assert report.device == {"params": 2 * padded, "grads": 2 * padded, "master": 4 * shard,
+                             "optimizer": 8 * shard + _adam_steps(strategy), "buffers": 0}
+    assert report.device_total == 4 * padded + 12 * shard + _adam_steps(strategy)
+    print(f"zero1 N={fake_world}: {report.device_total} B for Ψ={psi} "
+          f"(formula 4Ψ+12Ψ/N = {4 * psi + 12 * psi // fake_world})")
+
+
+@pytest.mark.parametrize("fake_world", [2, 4], indirect=True)
+def test_zero2_holds_2psi_plus_14psi_over_n(fake_world):
+    strategy, psi = _stepped("zero2", fake_world)
+    padded, shard = _padded(strategy)
+    report = strategy.memory_report()
+    assert report.device == {"params": 2 * padded, "grads": 2 * shard, "master": 4 * shard,
+                             "optimizer": 8 * shard + _adam_steps(strategy), "buffers": 0}
+    assert report.device_total == 2 * padded + 14 * shard + _adam_steps(strategy)
+    print(f"zero2 N={fake_world}: {report.device_total} B for Ψ={psi} "
+          f"(formula 2Ψ+14Ψ/N = {2 * psi + 14 * psi // fake_world})")
+
+
+@pytest.mark.parametrize("fake_world", [2, 4], indirect=True)
+def test_zero_offload_moves_master_and_optimizer_state_to_host(fake_world):
+    strategy, _ = _stepped("zero_offload", fake_world)
+    padded, shard = _padded(strategy)
+    report = strategy.memory_report()
+    assert report.device_total == 2 * padded + 2 * shard
+    assert report.host == {"master": 4 * shard, "optimizer": 8 * shard + _adam_steps(strategy)}
+    assert all(t.device.type == "cpu" for g in strategy._groups for t in g.masters)
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+def test_ddp_holds_16psi(fake_world):
+    strategy, psi = _stepped("ddp", fake_world)
+    report = strategy.memory_report()
+    adam_steps = 4 * len(strategy.optimizer.state)
+    assert report.device_total == 16 * psi + adam_steps
