@@ -29,8 +29,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainkit_strategies import Environment, Precision, get_strategy
+from trainkit_strategies.comm import Comm
 
 Step = Callable[[], None]
+TRAINKIT = ("ddp", "zero1", "zero2", "zero_offload")
+# (variant, the reference its ratio is printed against, second reference)
+REPORT = [
+    ("trainkit ddp", "torch DDP", None),
+    ("trainkit zero1", "torch ZeRO (ZeroRedundancyOptimizer+DDP)", "trainkit ddp"),
+    ("trainkit zero2", "torch ZeRO (ZeroRedundancyOptimizer+DDP)", "trainkit ddp"),
+    ("trainkit zero_offload", "torch ZeRO (ZeroRedundancyOptimizer+DDP)", "trainkit ddp"),
+]
 
 
 def make_model(width: int, hidden: int, blocks: int) -> nn.Module:
@@ -60,11 +69,16 @@ def trainkit_variant(name: str, options: dict, env: Environment, shape: tuple[in
     return step
 
 
-def torch_ddp_variant(shape: tuple[int, int, int], x: torch.Tensor) -> Step:
+def torch_ddp_variant(shape: tuple[int, int, int], x: torch.Tensor, zero: bool = False) -> Step:
+    """torch's DistributedDataParallel, with ZeroRedundancyOptimizer when ``zero``."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
     model = DistributedDataParallel(make_model(*shape))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if zero:
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step() -> None:
         F.mse_loss(model(x), x).backward()
@@ -92,11 +106,15 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     env = Environment.from_env("cpu", timeout_s=600)
+    Comm.connect(env)  # one process group for trainkit's and torch's variants
     shape = (64, 128, 2) if args.smoke else (512, 2048, 4)
     batch = 8 if args.smoke else 32
     x = torch.randn(batch, shape[0], generator=torch.Generator().manual_seed(rank))
-    variants: dict[str, Step] = {"trainkit ddp": trainkit_variant("ddp", {}, env, shape, x)}
-    variants["torch DDP"] = torch_ddp_variant(shape, x)
+    variants: dict[str, Step] = {
+        "torch DDP": torch_ddp_variant(shape, x),
+        "torch ZeRO (ZeroRedundancyOptimizer+DDP)": torch_ddp_variant(shape, x, zero=True),
+    }
+    variants |= {f"trainkit {name}": trainkit_variant(name, {}, env, shape, x) for name in TRAINKIT}
     times: dict[str, list[float]] = {name: [] for name in [*variants, "1 rank, its share"]}
     local = local_variant(shape, x) if rank == 0 else None
     for name, step in variants.items():  # warm-up
@@ -141,11 +159,16 @@ def main() -> None:
     model = "2 x [64 -> 128 -> 64], batch 8" if args.smoke else "4 x [512 -> 2048 -> 512], batch 32"
     print(f"2 ranks, gloo, 1 thread each, MLP {model} per rank, AdamW; median of {args.rounds} rounds "
           f"x {args.steps} steps")
-    print(f"{'variant':<24}{'step (ms)':>11}{'vs torch DDP':>14}")
-    for name in ("trainkit ddp", "torch DDP"):
-        print(f"{name:<24}{medians[name] * 1e3:>11.1f}{medians[name] / medians['torch DDP']:>14.3f}")
+    width = max(len(n) for n in medians) + 2
+    for name in ("torch DDP", "torch ZeRO (ZeroRedundancyOptimizer+DDP)"):
+        print(f"{name:<{width}}{medians[name] * 1e3:>9.1f} ms")
+    for name, ref, second in REPORT:
+        line = f"{name:<{width}}{medians[name] * 1e3:>9.1f} ms   {medians[name] / medians[ref]:.3f}x {ref}"
+        if second:
+            line += f", {medians[name] / medians[second]:.3f}x {second}"
+        print(line)
     share = medians["1 rank, its share"]
-    print(f"{'1 rank, its share':<24}{share * 1e3:>11.1f}")
+    print(f"{'1 rank, its share':<{width}}{share * 1e3:>9.1f} ms")
     print(f"scaling efficiency (1 rank / 2 ranks): trainkit ddp {share / medians['trainkit ddp']:.3f}, "
           f"torch DDP {share / medians['torch DDP']:.3f}")
 

@@ -10,7 +10,7 @@ unit. ``Segment``s say which parameter elements a piece holds, which is what uni
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch import Tensor
 
@@ -33,7 +33,6 @@ class FlatUnit:
     index: int = 0  # position in the launch order
     start: int = 0  # where the unit sits in its group's flat buffer
     shard_start: int = 0  # where this rank's piece sits in its group's flat shard
-    extra: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, params: Sequence[Tensor], names: Sequence[str], world_size: int, group: int = 0) -> FlatUnit:

@@ -97,6 +97,7 @@ class ZeroStrategy(Strategy):
         self._unit_of: dict[Tensor, tuple[FlatUnit, int]] = {}
         self._launcher = OrderedLauncher([], self._launch)
         self._pending: list[tuple[FlatUnit, Handle, Tensor | None, Tensor | None]] = []
+        self._bucket_buffer: Tensor | None = None
         self._syncing = True
         self._first_micro_step = True
         self._callback_queued = False
@@ -205,13 +206,7 @@ class ZeroStrategy(Strategy):
             if not self._callback_queued:
                 Variable._execution_engine.queue_callback(self._end_backward)
                 self._callback_queued = True
-            buffer = unit.extra.get("grad")
-            if buffer is None:
-                buffer = unit.extra["grad"] = torch.zeros(unit.padded, dtype=self.compute_dtype, device=self.device)
-            off = unit.offsets[index]
-            buffer[off : off + param.numel()].copy_(param.grad.reshape(-1))
-            param.grad = None
-            self._launcher.ready(unit.index)
+            self._launcher.ready(unit.index)  # the gradient waits in .grad until its bucket launches
         else:
             group = self._groups[unit.group]
             view = group.full_grad[unit.start + unit.offsets[index] :][: param.numel()]
@@ -230,16 +225,34 @@ class ZeroStrategy(Strategy):
                 group.grad = torch.empty(group.shard, dtype=self.compute_dtype, device=self.device)
             out, temp = group.grad[unit.shard_start : unit.shard_start + unit.piece], None
         else:
-            source = unit.extra.pop("grad", None)
-            if source is None:  # no parameter of this bucket got a gradient on this rank
-                source = torch.zeros(unit.padded, dtype=self.compute_dtype, device=self.device)
+            source = self._fill_bucket_buffer(unit)
             piece = group.grad[unit.shard_start : unit.shard_start + unit.piece]
             out = piece if self._first_micro_step else torch.empty_like(piece)
             temp = None if self._first_micro_step else out  # reduced here, then added into the partition
         handle = self.comm.reduce_scatter(out, source, async_op=True)
         self._pending.append((unit, handle, source, temp))
-        if self.stage == 2 and len(self._pending) > 2:  # bound whole-gradient buffers alive to ~3 buckets
+
+    def _fill_bucket_buffer(self, unit: FlatUnit) -> Tensor:
+        """Stage 2: move a complete bucket's gradients into the one reusable bucket buffer.
+
+        The buffer is reused bucket after bucket, so the previous bucket's reduce-scatter must finish
+        first; it ran while backward produced this bucket's gradients. At rest stage 2 holds the
+        gradient partition plus this one buffer (ZeRO paper §5.2, "constant buffer").
+        """
+        while self._pending:
             self._finish(self._pending.pop(0))
+        if self._bucket_buffer is None or self._bucket_buffer.numel() < unit.padded:
+            self._bucket_buffer = torch.empty(max(u.padded for u in self._units), dtype=self.compute_dtype,
+                                              device=self.device)
+        source = self._bucket_buffer[: unit.padded]
+        for p, view in zip(unit.params, unit.param_views(source), strict=True):
+            if p.grad is None:  # not used in this backward on this rank
+                view.zero_()
+            else:
+                view.copy_(p.grad)
+                p.grad = None
+        source[unit.numel :].zero_()
+        return source
 
     def _finish(self, entry: tuple[FlatUnit, Handle, Tensor | None, Tensor | None]) -> None:
         unit, handle, _, temp = entry
@@ -352,7 +365,8 @@ class ZeroStrategy(Strategy):
             return [t for m in masters for t in state.get(m, {}).values() if isinstance(t, Tensor)]
 
         grads = [t for g in self._groups for t in (g.grad, g.full_grad) if t is not None]
-        grads += [u.extra["grad"] for u in self._units if "grad" in u.extra]
+        if self._bucket_buffer is not None:
+            grads.append(self._bucket_buffer)
         return MemoryReport.of(
             {
                 "params": [g.working for g in self._groups]
