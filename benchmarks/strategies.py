@@ -3,8 +3,9 @@
 Reference workload (DESIGN.md): 2 ranks, gloo, 1 thread each, an MLP of 4 blocks [512 -> 2048 -> 512],
 batch 32 per rank, AdamW. Every variant builds the same model from the same seed and runs the same
 step (forward, MSE loss, backward, gradient reduction, AdamW step, zero grad). Variants take turns in
-rounds of ``--steps`` steps so that drift in machine load hits all of them; each round's mean step time
-is one sample and the median over rounds is reported, with ratios against the references.
+rounds of ``--steps`` steps, the order rotating every round, so that drift in machine load hits all of
+them alike; each round's mean step time is one sample and the median over rounds is reported, with
+ratios against the references.
 
 Scaling efficiency: one rank training its own share (batch 32, no communication) against two ranks
 (batch 32 each): 1.0 means the second rank's data came for free.
@@ -120,8 +121,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
     for name, step in variants.items():  # warm-up
         for _ in range(2):
             step()
-    for _ in range(args.rounds):
-        for name, step in variants.items():
+    order = list(variants.items())
+    for round_index in range(args.rounds):
+        rotated = order[round_index % len(order) :] + order[: round_index % len(order)]
+        for name, step in rotated:  # rotate so no variant always runs right after the same neighbour
             dist.barrier()
             start = time.perf_counter()
             for _ in range(args.steps):
@@ -144,8 +147,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny model and few steps (CI)")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=5, help="steps per variant per round")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=4, help="steps per variant per round")
     args = parser.parse_args()
     if args.smoke:
         args.rounds, args.steps = 2, 2
