@@ -56,6 +56,7 @@ class _Group:
     grad: Tensor | None = None  # stage 2: the gradient partition, compute dtype, shard-sized
     full_grad: Tensor | None = None  # stage 1: whole gradients, laid out like ``working``
     pieces: dict[int, Tensor] = field(default_factory=dict)  # unit index -> its master piece (optimizer param)
+    host_grad: Tensor | None = None  # offload: gradients for ``master_host``, kept allocated in host memory
 
     @property
     def device_part(self) -> int:
@@ -171,6 +172,9 @@ class ZeroStrategy(Strategy):
             for p, view in zip(u.params, u.param_views(working), strict=True):
                 p.data, p.grad = view, None
             start, shard = start + u.padded, shard + u.piece
+        needs_copy = self.master_dtype != self.compute_dtype or group.master_host.device != self.device
+        if self.offload and group.master_host.numel() and needs_copy:
+            group.host_grad = torch.zeros_like(group.master_host)
         if self.stage == 1:
             group.full_grad = torch.zeros_like(group.working)
             for u in units:
@@ -277,17 +281,26 @@ class ZeroStrategy(Strategy):
 
     # -- step ----------------------------------------------------------------------------------------
     def optimizer_step(self) -> None:
+        self.step_shards()
+        self._gather_working()
+
+    def step_shards(self) -> None:
+        """Hand each piece its reduced gradient (to the host, in the master dtype) and run the optimizer
+        on the master pieces: the part of a step that runs on the host under offload."""
         assert self.optimizer is not None
         for g in self._groups:
             for u in g.units:
-                master = g.master_piece(u)
-                master.grad = g.grad_piece(u, self.rank).to(device=master.device, dtype=master.dtype,
-                                                             non_blocking=True)
+                master, grad = g.master_piece(u), g.grad_piece(u, self.rank)
+                if g.host_grad is not None and u.shard_start >= g.device_part:
+                    # a persistent host buffer: a fresh host allocation per step costs more than the step
+                    start = u.shard_start - g.device_part
+                    master.grad = g.host_grad[start : start + u.piece].copy_(grad, non_blocking=True)
+                else:
+                    master.grad = grad.to(device=master.device, dtype=master.dtype, non_blocking=True)
         self.optimizer.step()
         for g in self._groups:
             for u in g.units:
                 g.master_piece(u).grad = None
-        self._gather_working()
 
     def _gather_working(self) -> None:
         """All-gather every bucket's updated pieces into the working parameters."""
@@ -356,7 +369,8 @@ class ZeroStrategy(Strategy):
                 "optimizer": state_of(on_host=False),
                 "buffers": list(self.module.buffers()),
             },
-            {"master": [g.master_host for g in self._groups], "optimizer": state_of(on_host=True)},
+            {"master": [g.master_host for g in self._groups], "optimizer": state_of(on_host=True),
+             "grads": [g.host_grad for g in self._groups if g.host_grad is not None]},
         )
 
     def teardown(self) -> None:

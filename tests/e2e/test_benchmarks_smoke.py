@@ -21,3 +21,10 @@ def test_strategies_smoke():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "trainkit ddp" in proc.stdout and "scaling efficiency" in proc.stdout
+
+
+def test_cpu_optimizer_smoke():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_optimizer.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "zero_offload step_shards (32)" in proc.stdout
