@@ -79,6 +79,31 @@ class ValidatedRegression(Regression):
         self.log("val_mse", self.mse)
 
 
+class Routed(nn.Module):
+    """Samples with x[0] > 1 go through ``rare``, the others through ``common``; ``never`` is never used.
+    With 4 samples per rank, ``rare`` is often unused on one rank and used on another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.common, self.rare, self.never = nn.Linear(8, 1), nn.Linear(8, 1), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(x.shape[0], 1, dtype=x.dtype)
+        route = x[:, 0] > 1.0
+        if route.any():
+            out[route] = self.rare(x[route])
+        if (~route).any():
+            out[~route] = self.common(x[~route])
+        return out
+
+
+class RoutedRegression(Regression):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Routed()
+
+
 class MaskedSequences(Dataset):
     """Sequences with a variable number of valid positions (the rest padding): ``num_items`` varies."""
 

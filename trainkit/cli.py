@@ -146,7 +146,7 @@ def _save_config(trainer: Trainer, parser: ArgumentParser, cfg: Namespace) -> No
     if trainer.is_global_zero and trainer.logger is not None:
         log_dir = trainer.logger.log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
-        (log_dir / "config.yaml").write_text(parser.dump(cfg, skip_validation=True))
+        (log_dir / "config.yaml").write_text(parser.dump(cfg, skip_unset=False, skip_validation=True))
 
 
 if __name__ == "__main__":

@@ -137,14 +137,14 @@ class DDPStrategy(Strategy):
                 "does not use every parameter in every step, pass find_unused_parameters=True "
                 "(--trainer.strategy.find_unused_parameters true); otherwise make the loss depend on them."
             )
+        self._launcher.flush()  # buckets whose hooks did not all fire (unused params, or a no_sync flush)
         globally_unused: list[nn.Parameter] = []
-        if self.find_unused_parameters and self.comm.active:
+        if self.find_unused_parameters and self.comm.active:  # after every bucket: ranks launch in one order
             used = torch.tensor([s.used for s in self._slots.values()], dtype=torch.int32, device=self.device)
             self.comm.all_reduce(used)
             globally_unused = [p for p, u in zip(self._slots, used.tolist(), strict=True) if u == 0]
         elif self.find_unused_parameters:
             globally_unused = unused
-        self._launcher.flush()  # buckets whose hooks did not all fire (unused params, or a no_sync flush)
         apply_scale = not (isinstance(scale, float | int) and scale == 1.0)
         for bucket in self._buckets:
             if bucket.handle is not None:

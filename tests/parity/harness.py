@@ -27,7 +27,14 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
-from tests.helpers import MaskedRegression, MaskedSequences, Regression, ValidatedRegression, regression_data
+from tests.helpers import (
+    MaskedRegression,
+    MaskedSequences,
+    Regression,
+    RoutedRegression,
+    ValidatedRegression,
+    regression_data,
+)
 from trainkit import Trainer
 from trainkit.callbacks import Callback
 from trainkit_strategies import get_strategy
@@ -48,7 +55,7 @@ class Case:
     clip: float | None = None
     steps: int = 10
     per_rank_batch: int = 4
-    model: str = "regression"  # "regression" (plain mean loss) or "masked" (variable num_items)
+    model: str = "regression"  # "regression", "masked" (variable num_items), "routed" (params unused at times)
     record_comm: bool = False
     validate: bool = False  # validate every 5 steps on 13 samples (uneven across ranks): val_* metrics
 
@@ -105,6 +112,8 @@ def _module_and_data(case: Case, world_size: int) -> tuple[Any, Any]:
     samples = case.steps * case.accumulate * case.per_rank_batch * world_size
     if case.model == "masked":
         return MaskedRegression(), MaskedSequences(samples)
+    if case.model == "routed":
+        return RoutedRegression(), regression_data(samples)
     return (ValidatedRegression() if case.validate else Regression()), regression_data(samples)
 
 
