@@ -19,7 +19,7 @@ from trainkit_strategies.state import Segment
 ALIGN = 16  # elements: pieces start on 64-byte boundaries for fp32 (32 for bf16)
 
 
-@dataclass
+@dataclass(eq=False)
 class FlatUnit:
     """Parameters ``params`` (named ``names``) at ``offsets`` of a flat buffer of ``padded`` elements."""
 

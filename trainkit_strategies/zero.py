@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -38,40 +38,19 @@ from trainkit_strategies import state as st
 from trainkit_strategies.base import Strategy, sharded_norm
 from trainkit_strategies.comm import Handle
 from trainkit_strategies.flat import FlatUnit, OrderedLauncher, pack
+from trainkit_strategies.master import MasterShards
 from trainkit_strategies.memory import MemoryReport
 from trainkit_strategies.precision import Precision
-
-_FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
 @dataclass
 class _Group:
-    """One optimizer param group: its buckets and flat buffers. Shard space runs over the buckets in
-    order; its first ``device_part`` elements keep master weights and optimizer state on the device."""
+    """One optimizer param group's buckets and flat buffers (shard space runs over its buckets in order)."""
 
     units: list[FlatUnit]
     working: Tensor  # every bucket, compute dtype
-    master_device: Tensor  # shard[:device_part], master dtype
-    master_host: Tensor  # shard[device_part:], master dtype, host memory when offloading
     grad: Tensor | None = None  # stage 2: the gradient partition, compute dtype, shard-sized
     full_grad: Tensor | None = None  # stage 1: whole gradients, laid out like ``working``
-    pieces: dict[int, Tensor] = field(default_factory=dict)  # unit index -> its master piece (optimizer param)
-    host_grad: Tensor | None = None  # offload: gradients for ``master_host``, kept allocated in host memory
-
-    @property
-    def device_part(self) -> int:
-        return self.master_device.numel()
-
-    def master_piece(self, unit: FlatUnit) -> Tensor:
-        """The view of the master shard holding ``unit``'s piece: one object, so optimizer state finds it."""
-        piece = self.pieces.get(unit.index)
-        if piece is None:
-            if unit.shard_start < self.device_part:
-                piece = self.master_device[unit.shard_start : unit.shard_start + unit.piece]
-            else:
-                piece = self.master_host[unit.shard_start - self.device_part :][: unit.piece]
-            self.pieces[unit.index] = piece
-        return piece
 
     def grad_piece(self, unit: FlatUnit, rank: int) -> Tensor:
         """This rank's reduced gradients for ``unit``."""
@@ -133,48 +112,31 @@ class ZeroStrategy(Strategy):
         self._units = [FlatUnit.build(b, [names[p] for p in b], self.world_size, group_of[b[0]]) for b in buckets]
         for index, unit in enumerate(self._units):
             unit.index = index
+        converts = self.master_dtype != self.compute_dtype or (self.offload and self.device.type != "cpu")
+        self._master = MasterShards(self._units, len(optimizer.param_groups), self.master_dtype, self.device,
+                                    self.offload, self.ratio, host_grads=converts)
         self._groups = [self._build_group([u for u in self._units if u.group == g])
                         for g in range(len(optimizer.param_groups))]
         self._unit_of = {p: (u, i) for u in self._units for i, p in enumerate(u.params)}
         self._launcher = OrderedLauncher([len(u.params) for u in self._units], self._launch)
-        optimizer.state.clear()
-        for group, g in zip(optimizer.param_groups, self._groups, strict=True):
-            group["params"] = [g.master_piece(u) for u in g.units]
-            if self.offload and isinstance(optimizer, _FUSED) and "fused" in group:
-                group["fused"], group["foreach"] = True, False  # torch's fused CPU kernel for the host part
+        self._master.retarget(optimizer)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._unit_of]
 
     def _build_group(self, units: list[FlatUnit]) -> _Group:
-        total = sum(u.piece for u in units)
-        on_device = 0 if self.offload else total
-        if self.offload:
-            for u in units:  # the first (1 - ratio) of the shard, by bucket, stays on the device
-                if on_device + u.piece <= (1.0 - self.ratio) * total:
-                    on_device += u.piece
-        host = torch.device("cpu") if self.offload else self.device
-        pin = self.offload and torch.cuda.is_available()
-        group = _Group(
-            units,
-            working=torch.zeros(sum(u.padded for u in units), dtype=self.compute_dtype, device=self.device),
-            master_device=torch.zeros(on_device, dtype=self.master_dtype, device=self.device),
-            master_host=torch.zeros(total - on_device, dtype=self.master_dtype, device=host, pin_memory=pin),
-        )
-        start = shard = 0
+        group = _Group(units, torch.zeros(sum(u.padded for u in units), dtype=self.compute_dtype, device=self.device))
+        start = 0
         for u in units:
-            u.start, u.shard_start = start, shard
+            u.start = start
             full = torch.zeros(u.padded, dtype=torch.float32, device=self.device)
             for p, view in zip(u.params, u.param_views(full), strict=True):
                 view.copy_(p.detach())  # the master starts from the fp32 original, not its rounding
             lo, hi = u.piece_range(self.rank)
-            group.master_piece(u).copy_(full[lo:hi])
+            self._master[u].copy_(full[lo:hi])
             working = group.working[start : start + u.padded]
             working.copy_(full)
             for p, view in zip(u.params, u.param_views(working), strict=True):
                 p.data, p.grad = view, None
-            start, shard = start + u.padded, shard + u.piece
-        needs_copy = self.master_dtype != self.compute_dtype or group.master_host.device != self.device
-        if self.offload and group.master_host.numel() and needs_copy:
-            group.host_grad = torch.zeros_like(group.master_host)
+            start += u.padded
         if self.stage == 1:
             group.full_grad = torch.zeros_like(group.working)
             for u in units:
@@ -182,7 +144,7 @@ class ZeroStrategy(Strategy):
                                    strict=True):
                     p.grad = view
         else:
-            group.grad = torch.zeros(total, dtype=self.compute_dtype, device=self.device)
+            group.grad = torch.zeros(sum(u.piece for u in units), dtype=self.compute_dtype, device=self.device)
         return group
 
     # -- backward ------------------------------------------------------------------------------------
@@ -288,26 +250,14 @@ class ZeroStrategy(Strategy):
         """Hand each piece its reduced gradient (to the host, in the master dtype) and run the optimizer
         on the master pieces: the part of a step that runs on the host under offload."""
         assert self.optimizer is not None
-        for g in self._groups:
-            for u in g.units:
-                master, grad = g.master_piece(u), g.grad_piece(u, self.rank)
-                if g.host_grad is not None and u.shard_start >= g.device_part:
-                    # a persistent host buffer: a fresh host allocation per step costs more than the step
-                    start = u.shard_start - g.device_part
-                    master.grad = g.host_grad[start : start + u.piece].copy_(grad, non_blocking=True)
-                else:
-                    master.grad = grad.to(device=master.device, dtype=master.dtype, non_blocking=True)
-        self.optimizer.step()
-        for g in self._groups:
-            for u in g.units:
-                g.master_piece(u).grad = None
+        self._master.step(self.optimizer, lambda u: self._groups[u.group].grad_piece(u, self.rank))
 
     def _gather_working(self) -> None:
         """All-gather every bucket's updated pieces into the working parameters."""
         handles = []
         for g in self._groups:
             for u in g.units:
-                piece = g.master_piece(u).to(device=self.device, dtype=self.compute_dtype)
+                piece = self._master[u].to(device=self.device, dtype=self.compute_dtype)
                 handles.append(self.comm.all_gather(g.working[u.start : u.start + u.padded], piece, async_op=True))
         for h in handles:
             h.wait()
@@ -335,13 +285,12 @@ class ZeroStrategy(Strategy):
 
     def full_parameters(self) -> dict[str, Tensor]:
         assert self.module is not None
-        sharded = self._gather_units(lambda g, u: g.master_piece(u))
+        sharded = self._gather_units(lambda g, u: self._master[u])
         return {n: sharded.get(n, p.detach()) for n, p in self.module.named_parameters()}
 
     def state_layout(self) -> st.StateLayout:
         shapes, whole = self._whole_state(skip={n for u in self._units for n in u.names})
-        holders = [st.Holder(g.master_piece(u), tuple(u.segments(self.rank)), True)
-                   for g in self._groups for u in g.units]
+        holders = self._master.holders(self.rank)
         return st.StateLayout(shapes, whole + holders, self.optimizer, holders, self._group_names)
 
     def _after_load(self) -> None:
@@ -349,14 +298,7 @@ class ZeroStrategy(Strategy):
 
     def memory_report(self) -> MemoryReport:
         assert self.module is not None
-        state = self.optimizer.state if self.optimizer is not None else {}
-        pieces = [(g.master_piece(u), self.offload and u.shard_start >= g.device_part)
-                  for g in self._groups for u in g.units]
-
-        def state_of(on_host: bool) -> list[Tensor]:
-            return [t for piece, host in pieces if host == on_host for t in state.get(piece, {}).values()
-                    if isinstance(t, Tensor)]
-
+        split = self._master.split(self.optimizer)
         grads = [t for g in self._groups for t in (g.grad, g.full_grad) if t is not None]
         if self._bucket_buffer is not None:
             grads.append(self._bucket_buffer)
@@ -364,13 +306,12 @@ class ZeroStrategy(Strategy):
         return MemoryReport.of(
             {
                 "params": [g.working for g in self._groups] + [p for p in self.module.parameters() if p not in sharded],
-                "grads": grads,
-                "master": [g.master_device for g in self._groups],
-                "optimizer": state_of(on_host=False),
+                "grads": grads + split["device"]["grads"],
+                "master": split["device"]["master"],
+                "optimizer": split["device"]["optimizer"],
                 "buffers": list(self.module.buffers()),
             },
-            {"master": [g.master_host for g in self._groups], "optimizer": state_of(on_host=True),
-             "grads": [g.host_grad for g in self._groups if g.host_grad is not None]},
+            {k: v for k, v in split["host"].items()},
         )
 
     def teardown(self) -> None:

@@ -1,0 +1,108 @@
+"""Master weights for sharded strategies: one optimizer tensor per bucket piece, on the device or host.
+
+Every sharding strategy (ZeRO-1/2, ZeRO-3/FSDP) ends up with the same optimizer-side picture: for
+each ``FlatUnit`` this rank owns one piece, and the user's optimizer steps a master copy of that piece
+(fp32 under mixed precision). ``MasterShards`` allocates those pieces per optimizer param group, in one
+flat tensor per group and place (device first, then host under offload, split by ``ratio``), points
+the user's optimizer at them, hands them their gradients, and describes them for checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from trainkit_strategies import state as st
+from trainkit_strategies.flat import FlatUnit
+
+_FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+class MasterShards:
+    """Master pieces for ``units`` (each with ``group`` set), laid out group by group.
+
+    Args:
+        units: every unit, in a fixed order; ``unit.shard_start`` is assigned here.
+        groups: number of optimizer param groups.
+        dtype: master dtype. device: compute device.
+        offload: keep pieces in host memory (all but the first ``1 - ratio`` of each group's shard).
+        host_grads: keep a host gradient buffer in the master dtype (when gradients need converting).
+    """
+
+    def __init__(self, units: Sequence[FlatUnit], groups: int, dtype: torch.dtype, device: torch.device,
+                 offload: bool = False, ratio: float = 1.0, host_grads: bool = False) -> None:
+        self.units, self.offload = list(units), offload
+        self.pieces: dict[int, Tensor] = {}
+        self.on_host: set[int] = set()
+        self.host_grad: dict[int, Tensor] = {}
+        self.flats: list[Tensor] = []  # every allocation, for memory reports
+        pin = offload and torch.cuda.is_available()
+        for g in range(groups):
+            members = [u for u in self.units if u.group == g]
+            total = sum(u.piece for u in members)
+            budget, on_device, shard = (1.0 - ratio) * total if offload else total, [], 0
+            for u in members:
+                u.shard_start, shard = shard, shard + u.piece
+                if not offload or sum(v.piece for v in on_device) + u.piece <= budget:
+                    on_device.append(u)
+            on_host = [u for u in members if u not in on_device]
+            for place, chosen in ((device, on_device), (torch.device("cpu"), on_host)):
+                size = sum(u.piece for u in chosen)
+                if not size:
+                    continue
+                host = place.type == "cpu" and offload
+                flat = torch.zeros(size, dtype=dtype, device=place, pin_memory=pin and host)
+                grads = torch.zeros_like(flat) if host and host_grads else None
+                self.flats.append(flat)
+                offset = 0
+                for u in chosen:
+                    self.pieces[u.index] = flat[offset : offset + u.piece]
+                    if host:
+                        self.on_host.add(u.index)
+                    if grads is not None:
+                        self.host_grad[u.index] = grads[offset : offset + u.piece]
+                    offset += u.piece
+
+    def __getitem__(self, unit: FlatUnit) -> Tensor:
+        return self.pieces[unit.index]
+
+    def retarget(self, optimizer: Optimizer) -> None:
+        """Point each param group at its units' pieces (one tensor per unit), keeping its hyperparameters;
+        under offload, use torch's fused kernel (CPU and CUDA) where the optimizer has one."""
+        optimizer.state.clear()
+        for g, group in enumerate(optimizer.param_groups):
+            group["params"] = [self.pieces[u.index] for u in self.units if u.group == g]
+            if self.offload and isinstance(optimizer, _FUSED) and "fused" in group:
+                group["fused"], group["foreach"] = True, False
+
+    def step(self, optimizer: Optimizer, grad_of: Callable[[FlatUnit], Tensor]) -> None:
+        """Give every piece its reduced gradient (moved and converted as needed) and step."""
+        for u in self.units:
+            piece, grad = self.pieces[u.index], grad_of(u)
+            host = self.host_grad.get(u.index)
+            if host is not None:  # a persistent host buffer: a fresh host allocation costs more than the step
+                piece.grad = host.copy_(grad, non_blocking=True)
+            else:
+                piece.grad = grad.to(device=piece.device, dtype=piece.dtype, non_blocking=True)
+        optimizer.step()
+        for piece in self.pieces.values():
+            piece.grad = None
+
+    def holders(self, rank: int) -> list[st.Holder]:
+        return [st.Holder(self.pieces[u.index], tuple(u.segments(rank)), True) for u in self.units]
+
+    def split(self, optimizer: Optimizer | None) -> dict[str, dict[str, list[Tensor]]]:
+        """Master pieces and their optimizer state, as {"device": {...}, "host": {...}} for memory reports."""
+        state = optimizer.state if optimizer is not None else {}
+        out: dict[str, dict[str, list[Tensor]]] = {"device": {"master": [], "optimizer": [], "grads": []},
+                                                   "host": {"master": [], "optimizer": [], "grads": []}}
+        for index, piece in self.pieces.items():
+            side = out["host" if index in self.on_host else "device"]
+            side["master"].append(piece)
+            side["optimizer"] += [t for t in state.get(piece, {}).values() if isinstance(t, Tensor)]
+            if index in self.host_grad:
+                side["grads"].append(self.host_grad[index])
+        return out
