@@ -36,6 +36,8 @@ from tests.helpers import (
     regression_data,
 )
 from trainkit import Trainer
+from trainkit.demo.gpt import Block, DemoGPT
+from trainkit.demo.markov import MarkovChain, TokenWindows
 from trainkit.callbacks import Callback
 from trainkit_strategies import get_strategy
 
@@ -55,9 +57,10 @@ class Case:
     clip: float | None = None
     steps: int = 10
     per_rank_batch: int = 4
-    model: str = "regression"  # "regression", "masked" (variable num_items), "routed" (params unused at times)
+    model: str = "regression"  # "regression", "masked" (num_items), "routed" (params unused at times), "gpt"
     record_comm: bool = False
     validate: bool = False  # validate every 5 steps on 13 samples (uneven across ranks): val_* metrics
+    checkpointing: bool = False  # activation checkpointing on the GPT's blocks
 
     def tolerance(self) -> dict[str, float]:
         return BF16 if "bf16" in self.precision else FP32
@@ -114,6 +117,13 @@ def _module_and_data(case: Case, world_size: int) -> tuple[Any, Any]:
         return MaskedRegression(), MaskedSequences(samples)
     if case.model == "routed":
         return RoutedRegression(), regression_data(samples)
+    if case.model == "gpt":  # tied embeddings; loss weighted by tokens
+        # No biases: the key bias gets an exactly-zero gradient (softmax ignores a shift shared by all
+        # keys), so its float noise, normalised by Adam, would differ with any change of summation order.
+        torch.manual_seed(0)
+        module = DemoGPT(vocab_size=16, block_size=16, n_layer=2, n_head=2, n_embd=32, warmup_steps=2, max_steps=10,
+                         bias=False)
+        return module, TokenWindows(MarkovChain(16, 0.5, seed=3).sample(samples, 17, seed=4))
     return (ValidatedRegression() if case.validate else Regression()), regression_data(samples)
 
 
@@ -124,6 +134,7 @@ def run_case(case: Case, world_size: int, per_rank_batch: int) -> Result:
     strategy = get_strategy(case.strategy, **case.options)
     val = DataLoader(regression_data(13, seed=5), batch_size=per_rank_batch) if case.validate else None
     trainer = Trainer(
+        activation_checkpointing=[Block] if case.checkpointing else None,
         val_check_interval=5 if case.validate else None,
         strategy=strategy, precision=case.precision, accumulate_grad_batches=case.accumulate,
         gradient_clip_val=case.clip, max_steps=case.steps, seed=0, logger=False, enable_progress_bar=False,

@@ -18,6 +18,7 @@ class GPTConfig:
     """Attributes:
         vocab_size: tokens. block_size: longest context. n_layer / n_head / n_embd: depth, heads, width.
         dropout: dropout probability in attention and MLP outputs.
+        bias: biases in linear layers and layer norms (GPT-2 has them).
     """
 
     vocab_size: int = 16
@@ -26,6 +27,7 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 64
     dropout: float = 0.0
+    bias: bool = True
 
 
 class CausalSelfAttention(nn.Module):
@@ -34,8 +36,8 @@ class CausalSelfAttention(nn.Module):
         if cfg.n_embd % cfg.n_head:
             raise ValueError(f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head}).")
         self.n_head, self.dropout = cfg.n_head, cfg.dropout
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -49,8 +51,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
-        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -60,9 +62,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.ln1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -80,7 +82,7 @@ class TinyGPT(nn.Module):
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight
         self.apply(self._init)
@@ -116,7 +118,7 @@ class DemoGPT(TrainModule):
     data knows its entropy rate ``H`` (MarkovData does), ``val_excess`` = ``val_loss - H`` in nats.
 
     Args:
-        vocab_size, block_size, n_layer, n_head, n_embd, dropout: see GPTConfig.
+        vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias: see GPTConfig.
         lr: peak learning rate. weight_decay: applied to matrices, not to biases/norms/embeddings.
         warmup_steps: linear warmup. max_steps: length of the cosine decay (to 10% of lr).
     """
@@ -124,11 +126,11 @@ class DemoGPT(TrainModule):
     def __init__(
         self, vocab_size: int = 16, block_size: int = 64, n_layer: int = 2, n_head: int = 4, n_embd: int = 64,
         dropout: float = 0.0, lr: float = 3e-3, weight_decay: float = 0.1, warmup_steps: int = 50,
-        max_steps: int = 2000,
+        max_steps: int = 2000, bias: bool = True,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model = TinyGPT(GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout))
+        self.model = TinyGPT(GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias))
         self.entropy_rate: float | None = None
         self._started = 0.0
 
