@@ -297,8 +297,8 @@ class Strategy(ABC):
 def _local_norm(grads: list[Tensor], norm_type: float, device: torch.device) -> Tensor:
     if not grads:
         return torch.zeros((), device=device)
-    norms = torch._foreach_norm(grads, norm_type)
-    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
+    norms = torch._foreach_norm(grads, norm_type, dtype=torch.float32)  # fp16 norms overflow at 65504
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
 
 def sharded_norm(shards: list[Tensor], norm_type: float, comm: Comm, device: torch.device) -> Tensor:

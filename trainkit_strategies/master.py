@@ -16,9 +16,40 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
+from trainkit_strategies.base import sharded_norm
 from trainkit_strategies.flat import FlatUnit
 
 _FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+class DeferredGradScale:
+    """Gradient scaling for strategies whose gradient shards are kept in the compute dtype.
+
+    Multiplying fp16 gradients by 1/(loss scale) in fp16 flushes small values to zero, so the factor
+    (normalisation, loss-scale undo, clipping) is kept aside and applied in fp32 when the gradients are
+    handed to the master weights; norms are taken in fp32 and multiplied by it. Mix in before Strategy.
+    """
+
+    _grad_mult: float | Tensor = 1.0
+
+    def _scale_local_grads(self, factor: float | Tensor) -> None:
+        self._grad_mult = self._grad_mult * factor
+
+    def grad_norm(self, norm_type: float = 2.0) -> Tensor:
+        return sharded_norm(self.gradients(), norm_type, self.comm, self.device) * self._grad_mult
+
+    def clip_grad_value(self, value: float) -> None:
+        self._apply_grad_mult()
+        super().clip_grad_value(value)  # type: ignore[misc]
+
+    def _apply_grad_mult(self) -> None:
+        mult, self._grad_mult = self._grad_mult, 1.0
+        if not (isinstance(mult, float | int) and mult == 1.0):
+            torch._foreach_mul_(self.gradients(), mult)
+
+    def _take_grad_mult(self) -> float | Tensor:
+        mult, self._grad_mult = self._grad_mult, 1.0
+        return mult
 
 
 class MasterShards:
@@ -55,7 +86,8 @@ class MasterShards:
                     continue
                 host = place.type == "cpu" and offload
                 flat = torch.zeros(size, dtype=dtype, device=place, pin_memory=pin and host)
-                grads = torch.zeros_like(flat) if host and host_grads else None
+                grads = torch.zeros(size, dtype=dtype, device=place, pin_memory=pin and host) \
+                    if host and host_grads else None
                 self.flats.append(flat)
                 offset = 0
                 for u in chosen:
@@ -78,15 +110,21 @@ class MasterShards:
             if self.offload and isinstance(optimizer, _FUSED) and "fused" in group:
                 group["fused"], group["foreach"] = True, False
 
-    def step(self, optimizer: Optimizer, grad_of: Callable[[FlatUnit], Tensor]) -> None:
-        """Give every piece its reduced gradient (moved and converted as needed) and step."""
+    def step(self, optimizer: Optimizer, grad_of: Callable[[FlatUnit], Tensor], scale: float | Tensor = 1.0) -> None:
+        """Give every piece its reduced gradient (moved, converted, then multiplied by ``scale``) and step."""
+        copied_to_host = False
         for u in self.units:
             piece, grad = self.pieces[u.index], grad_of(u)
             host = self.host_grad.get(u.index)
             if host is not None:  # a persistent host buffer: a fresh host allocation costs more than the step
                 piece.grad = host.copy_(grad, non_blocking=True)
+                copied_to_host = copied_to_host or grad.device.type == "cuda"
             else:
                 piece.grad = grad.to(device=piece.device, dtype=piece.dtype, non_blocking=True)
+            if not (isinstance(scale, float | int) and scale == 1.0):
+                piece.grad.mul_(scale.to(piece.device) if isinstance(scale, Tensor) else scale)
+        if copied_to_host:
+            torch.cuda.current_stream().synchronize()  # the host optimizer reads what the copies wrote
         optimizer.step()
         for piece in self.pieces.values():
             piece.grad = None

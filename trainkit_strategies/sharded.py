@@ -40,10 +40,10 @@ from torch.autograd import Variable
 from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
-from trainkit_strategies.base import ShardedInit, Strategy, sharded_norm
+from trainkit_strategies.base import ShardedInit, Strategy
 from trainkit_strategies.comm import Handle
 from trainkit_strategies.flat import FlatUnit, OrderedLauncher
-from trainkit_strategies.master import MasterShards
+from trainkit_strategies.master import DeferredGradScale, MasterShards
 from trainkit_strategies.memory import MemoryReport
 from trainkit_strategies.precision import Precision
 
@@ -74,7 +74,7 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class ShardedStrategy(Strategy, ShardedInit):
+class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
     """The ZeRO-3 / FSDP engine; subclasses choose the units (``unit_modules``) and persistent params.
 
     Args:
@@ -146,7 +146,8 @@ class ShardedStrategy(Strategy, ShardedInit):
         names = st.param_names(module)
         if optimizer is not None:
             self._group_names = st.group_names_of(optimizer, names)
-        group_of = {n: g for g, group in enumerate(self._group_names) for n in group}
+        trainable = {n for p, n in names.items() if p.requires_grad}
+        group_of = {n: g for g, group in enumerate(self._group_names) for n in group if n in trainable}
         groups = len(self._group_names) + 1  # the last holds parameters the optimizer does not train
         for handle in self._hooks:
             handle.remove()
@@ -176,7 +177,7 @@ class ShardedStrategy(Strategy, ShardedInit):
         for unit in self.units:
             self._materialise(unit)
         self._flat_of = {p: f for f in self._flats for p in f.params}
-        self._launcher = OrderedLauncher([len(f.params) for f in self._flats], self._launch)
+        self._launcher = OrderedLauncher([sum(p.requires_grad for p in f.params) for f in self._flats], self._launch)
         if optimizer is not None:
             self._master.retarget(optimizer)
         self._install_hooks()
@@ -473,19 +474,15 @@ class ShardedStrategy(Strategy, ShardedInit):
         self._finish_pending()
         self._launcher.reset()
         self._first_micro_step = True
-        if not (isinstance(scale, float | int) and scale == 1.0):
-            self._scale_local_grads(scale)
+        self._scale_local_grads(scale)
 
     def gradients(self) -> list[Tensor]:
         return list(self._grad_flats)
 
-    def grad_norm(self, norm_type: float = 2.0) -> Tensor:
-        return sharded_norm(self.gradients(), norm_type, self.comm, self.device)
-
     # -- step ----------------------------------------------------------------------------------------
     def optimizer_step(self) -> None:
         assert self.optimizer is not None
-        self._master.step(self.optimizer, lambda f: self._grad_shard(f))
+        self._master.step(self.optimizer, self._grad_shard, self._take_grad_mult())
         self._refresh_shards()
 
     def _refresh_shards(self) -> None:
@@ -517,7 +514,8 @@ class ShardedStrategy(Strategy, ShardedInit):
         return self._gather_flats(lambda f: self._master[f])
 
     def full_gradients(self) -> dict[str, Tensor]:
-        return self._gather_flats(self._grad_shard)
+        grads = self._gather_flats(lambda f: self._grad_shard(f).float())
+        return {n: g * self._grad_mult for n, g in grads.items()}
 
     def state_layout(self) -> st.StateLayout:
         shapes, whole = self._whole_state(skip={n for f in self._flats for n in f.names})

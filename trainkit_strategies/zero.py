@@ -35,10 +35,10 @@ from torch.autograd import Variable
 from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
-from trainkit_strategies.base import Strategy, sharded_norm
+from trainkit_strategies.base import Strategy
 from trainkit_strategies.comm import Handle
 from trainkit_strategies.flat import FlatUnit, OrderedLauncher, pack
-from trainkit_strategies.master import MasterShards
+from trainkit_strategies.master import DeferredGradScale, MasterShards
 from trainkit_strategies.memory import MemoryReport
 from trainkit_strategies.precision import Precision
 
@@ -61,7 +61,7 @@ class _Group:
         return self.grad[unit.shard_start : unit.shard_start + unit.piece]
 
 
-class ZeroStrategy(Strategy):
+class ZeroStrategy(DeferredGradScale, Strategy):
     """Shard optimizer state (stage 1) and gradients (stage 2) across data-parallel ranks.
 
     Args:
@@ -107,7 +107,8 @@ class ZeroStrategy(Strategy):
             handle.remove()
         self.comm.broadcast_coalesced([*module.parameters(), *module.buffers()])
         names = st.param_names(module)
-        group_of = {p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        # frozen parameters stay whole and untouched, as the optimizer would leave them (grad None)
+        group_of = {p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"] if p.requires_grad}
         buckets = pack(list(reversed(list(group_of))), int(self.bucket_mb * 2**20), key=lambda p: group_of[p])
         self._units = [FlatUnit.build(b, [names[p] for p in b], self.world_size, group_of[b[0]]) for b in buckets]
         for index, unit in enumerate(self._units):
@@ -230,16 +231,12 @@ class ZeroStrategy(Strategy):
         self._finish_pending()
         self._launcher.reset()
         self._first_micro_step = True
-        if not (isinstance(scale, float | int) and scale == 1.0):
-            self._scale_local_grads(scale)
+        self._scale_local_grads(scale)
 
     def gradients(self) -> list[Tensor]:
         if self.stage == 2:
             return [g.grad for g in self._groups if g.grad is not None]
         return [g.grad_piece(u, self.rank) for g in self._groups for u in g.units]
-
-    def grad_norm(self, norm_type: float = 2.0) -> Tensor:
-        return sharded_norm(self.gradients(), norm_type, self.comm, self.device)
 
     # -- step ----------------------------------------------------------------------------------------
     def optimizer_step(self) -> None:
@@ -250,7 +247,8 @@ class ZeroStrategy(Strategy):
         """Hand each piece its reduced gradient (to the host, in the master dtype) and run the optimizer
         on the master pieces: the part of a step that runs on the host under offload."""
         assert self.optimizer is not None
-        self._master.step(self.optimizer, lambda u: self._groups[u.group].grad_piece(u, self.rank))
+        self._master.step(self.optimizer, lambda u: self._groups[u.group].grad_piece(u, self.rank),
+                          self._take_grad_mult())
 
     def _gather_working(self) -> None:
         """All-gather every bucket's updated pieces into the working parameters."""
@@ -281,7 +279,8 @@ class ZeroStrategy(Strategy):
         return out
 
     def full_gradients(self) -> dict[str, Tensor]:
-        return self._gather_units(lambda g, u: g.grad_piece(u, self.rank))
+        grads = self._gather_units(lambda g, u: g.grad_piece(u, self.rank).float())
+        return {n: g * self._grad_mult for n, g in grads.items()}
 
     def full_parameters(self) -> dict[str, Tensor]:
         assert self.module is not None

@@ -61,9 +61,10 @@ class Case:
     record_comm: bool = False
     validate: bool = False  # validate every 5 steps on 13 samples (uneven across ranks): val_* metrics
     checkpointing: bool = False  # activation checkpointing on the GPT's blocks
+    init_scale: float | None = None  # "16-mixed": start the loss scale here (low enough that nothing overflows)
 
     def tolerance(self) -> dict[str, float]:
-        return BF16 if "bf16" in self.precision else FP32
+        return FP32 if self.precision == "32" else BF16
 
 
 @dataclass
@@ -79,8 +80,8 @@ class Result:
 class Probe(Callback):
     """Global window loss (all ranks, all micro-batches, weighted by items), full grads, comm bytes."""
 
-    def __init__(self, record_comm: bool) -> None:
-        self.record_comm = record_comm
+    def __init__(self, record_comm: bool, init_scale: float | None = None) -> None:
+        self.record_comm, self.init_scale = record_comm, init_scale
         self.losses: list[float] = []
         self.grads: list[dict[str, torch.Tensor]] = []
         self.comm: list[dict[str, int]] = []
@@ -90,6 +91,8 @@ class Probe(Callback):
 
     def on_train_start(self, trainer, module) -> None:
         self._bytes = dict(trainer.strategy.comm.stats.bytes)
+        if self.init_scale is not None:
+            trainer.scaler.scale = self.init_scale
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         if self.record_comm:
@@ -130,7 +133,7 @@ def _module_and_data(case: Case, world_size: int) -> tuple[Any, Any]:
 def run_case(case: Case, world_size: int, per_rank_batch: int) -> Result:
     """Train ``case`` on this process's rank (world taken from the environment)."""
     module, data = _module_and_data(case, world_size)
-    probe = Probe(case.record_comm)
+    probe = Probe(case.record_comm, case.init_scale)
     strategy = get_strategy(case.strategy, **case.options)
     val = DataLoader(regression_data(13, seed=5), batch_size=per_rank_batch) if case.validate else None
     trainer = Trainer(
