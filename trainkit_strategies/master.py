@@ -129,8 +129,12 @@ class MasterShards:
         for piece in self.pieces.values():
             piece.grad = None
 
-    def holders(self, rank: int) -> list[st.Holder]:
-        return [st.Holder(self.pieces[u.index], tuple(u.segments(rank)), True) for u in self.units]
+    def holders(self, rank: int, optimizer: Optimizer | None) -> tuple[list[st.Holder], list[st.Holder]]:
+        """Holders of every piece (model state), and of the optimizer's params in its param-group order."""
+        holder = {u.index: st.Holder(self.pieces[u.index], tuple(u.segments(rank)), True) for u in self.units}
+        groups = len(optimizer.param_groups) if optimizer is not None else 0
+        ordered = [holder[u.index] for g in range(groups) for u in self.units if u.group == g]
+        return list(holder.values()), ordered
 
     def split(self, optimizer: Optimizer | None) -> dict[str, dict[str, list[Tensor]]]:
         """Master pieces and their optimizer state, as {"device": {...}, "host": {...}} for memory reports."""

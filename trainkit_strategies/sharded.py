@@ -47,9 +47,6 @@ from trainkit_strategies.master import DeferredGradScale, MasterShards
 from trainkit_strategies.memory import MemoryReport
 from trainkit_strategies.precision import Precision
 
-# The first unit's inputs never require grad; its backward pre-hook still fires, which is all we use.
-warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect to")
-
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
 
@@ -230,24 +227,25 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         self.units = [u for u in self.units if self._params_of[u.index]]
 
     def _materialise(self, unit: Unit) -> None:
-        """Give the unit's parameters their values (initialising meta ones), keep this rank's pieces, and
-        turn the parameters into views of the (freed) gather buffer."""
-        params = self._params_of[unit.index]
-        if any(p.is_meta for p in params):
-            self._initialise_meta(params)
-        params = [self._current(p) for p in params]
-        self._params_of[unit.index] = params
+        """Give the unit's parameters their values (initialising meta ones in place in the unit's fp32
+        buffer, so a unit exists once), keep this rank's pieces, and turn the parameters into views of the
+        (freed) gather buffer."""
+        fulls = {f.index: torch.zeros(f.padded, dtype=torch.float32, device=self.device) for f in unit.flats}
+        homes = {p: view for f in unit.flats for p, view in zip(f.params, f.param_views(fulls[f.index]), strict=True)}
+        if any(p.is_meta for p in homes):
+            self._initialise_meta(homes)
         for flat in unit.flats:
             flat.params = [self._current(p) for p in flat.params]
-            full = torch.zeros(flat.padded, dtype=torch.float32, device=self.device)
+            full = fulls.pop(flat.index)
             for p, view in zip(flat.params, flat.param_views(full), strict=True):
-                view.copy_(p.detach())
+                if p.data_ptr() != view.data_ptr():
+                    view.copy_(p.detach())
             self.comm.broadcast(full, src=0)  # every rank starts from rank 0's values
             lo, hi = flat.piece_range(self.rank)
             master = self._master[flat]
             master.copy_(full[lo:hi])
             same = master.dtype == self.compute_dtype and master.device == self.device
-            self._shard[flat.index] = master if same else full[lo:hi].to(self.compute_dtype).clone()
+            self._shard[flat.index] = master if same else full[lo:hi].to(self.compute_dtype)
             gathered = torch.empty(flat.padded, dtype=self.compute_dtype, device=self.device)
             for p, view in zip(flat.params, flat.param_views(gathered), strict=True):
                 p.data, p.grad = view, None
@@ -258,13 +256,13 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
     def _current(self, p: Tensor) -> Tensor:
         return self._replaced.get(p, p)
 
-    def _initialise_meta(self, params: list[Tensor]) -> None:
-        """Materialise meta parameters with their modules' reset_parameters(). A module is initialised once,
-        all its parameters together, even those another unit will shard."""
+    def _initialise_meta(self, homes: dict[Tensor, Tensor]) -> None:
+        """Materialise meta parameters with their modules' reset_parameters(), each new parameter a view of
+        its place in ``homes`` (the unit's buffers). A module is initialised once, all its parameters
+        together, even those another unit shards (they get storage of their own)."""
         assert self.module is not None
-        wanted = set(params)
         for mod in self.module.modules():
-            if not any(p is not None and p in wanted and p.is_meta for p in mod._parameters.values()):
+            if not any(p is not None and p in homes and p.is_meta for p in mod._parameters.values()):
                 continue
             metas = [n for n, p in mod._parameters.items() if p is not None and p.is_meta]
             reset = getattr(mod, "reset_parameters", None)
@@ -276,7 +274,9 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
                 )
             for name in metas:
                 old = mod._parameters[name]
-                new = nn.Parameter(torch.empty_like(old, device=self.device), requires_grad=old.requires_grad)
+                home = homes.get(old)
+                data = home if home is not None else torch.empty_like(old, device=self.device, dtype=torch.float32)
+                new = nn.Parameter(data, requires_grad=old.requires_grad)
                 for owner in self.module.modules():
                     for key, value in owner._parameters.items():
                         if value is old:
@@ -398,7 +398,9 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         self._launcher.reset()
         self._end_queued = False
         self._position["backward"] = 0
-        loss.backward()
+        with warnings.catch_warnings():  # the first unit's inputs never require grad; its pre-hook still fires
+            warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
+            loss.backward()
 
     def _queue_end_backward(self) -> None:
         if not self._end_queued:
@@ -519,8 +521,8 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
 
     def state_layout(self) -> st.StateLayout:
         shapes, whole = self._whole_state(skip={n for f in self._flats for n in f.names})
-        holders = self._master.holders(self.rank)
-        return st.StateLayout(shapes, whole + holders, self.optimizer, holders, self._group_names)
+        model, optimizer = self._master.holders(self.rank, self.optimizer)
+        return st.StateLayout(shapes, whole + model, self.optimizer, optimizer, self._group_names)
 
     def _after_load(self) -> None:
         for flat in self._flats:

@@ -289,8 +289,8 @@ class ZeroStrategy(DeferredGradScale, Strategy):
 
     def state_layout(self) -> st.StateLayout:
         shapes, whole = self._whole_state(skip={n for u in self._units for n in u.names})
-        holders = self._master.holders(self.rank)
-        return st.StateLayout(shapes, whole + holders, self.optimizer, holders, self._group_names)
+        model, optimizer = self._master.holders(self.rank, self.optimizer)
+        return st.StateLayout(shapes, whole + model, self.optimizer, optimizer, self._group_names)
 
     def _after_load(self) -> None:
         self._gather_working()
