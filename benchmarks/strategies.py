@@ -33,22 +33,23 @@ from trainkit_strategies import Environment, Precision, get_strategy
 from trainkit_strategies.comm import Comm
 
 Step = Callable[[], None]
-TRAINKIT = ("ddp", "zero1", "zero2", "zero_offload")
+TRAINKIT = ("ddp", "zero1", "zero2", "zero_offload", "fsdp", "zero3")
 # (variant, the reference its ratio is printed against, second reference)
 REPORT = [
     ("trainkit ddp", "torch DDP", None),
     ("trainkit zero1", "torch ZeRO (ZeroRedundancyOptimizer+DDP)", "trainkit ddp"),
     ("trainkit zero2", "torch ZeRO (ZeroRedundancyOptimizer+DDP)", "trainkit ddp"),
     ("trainkit zero_offload", "torch ZeRO (ZeroRedundancyOptimizer+DDP)", "trainkit ddp"),
+    ("trainkit fsdp", "torch FSDP2 (fully_shard per block)", "trainkit ddp"),
+    ("trainkit zero3", "torch FSDP2 (fully_shard per block)", "trainkit ddp"),
 ]
 
 
 def make_model(width: int, hidden: int, blocks: int) -> nn.Module:
+    """``blocks`` blocks of [width -> hidden -> width]; each block is a unit for FSDP-style sharding."""
     torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(blocks):
-        layers += [nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, width)]
-    return nn.Sequential(*layers)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, width))
+                           for _ in range(blocks)])
 
 
 def trainkit_variant(name: str, options: dict, env: Environment, shape: tuple[int, int, int],
@@ -89,6 +90,24 @@ def torch_ddp_variant(shape: tuple[int, int, int], x: torch.Tensor, zero: bool =
     return step
 
 
+def torch_fsdp2_variant(shape: tuple[int, int, int], x: torch.Tensor) -> Step:
+    """torch's FSDP2: ``fully_shard`` on every block, then on the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model(*shape)
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        F.mse_loss(model(x), x).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
 def local_variant(shape: tuple[int, int, int], x: torch.Tensor) -> Step:
     """One rank on its share with no communication: the scaling-efficiency baseline."""
     model = make_model(*shape)
@@ -114,6 +133,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
     variants: dict[str, Step] = {
         "torch DDP": torch_ddp_variant(shape, x),
         "torch ZeRO (ZeroRedundancyOptimizer+DDP)": torch_ddp_variant(shape, x, zero=True),
+        "torch FSDP2 (fully_shard per block)": torch_fsdp2_variant(shape, x),
     }
     variants |= {f"trainkit {name}": trainkit_variant(name, {}, env, shape, x) for name in TRAINKIT}
     times: dict[str, list[float]] = {name: [] for name in [*variants, "1 rank, its share"]}
@@ -163,7 +183,7 @@ def main() -> None:
     print(f"2 ranks, gloo, 1 thread each, MLP {model} per rank, AdamW; median of {args.rounds} rounds "
           f"x {args.steps} steps")
     width = max(len(n) for n in medians) + 2
-    for name in ("torch DDP", "torch ZeRO (ZeroRedundancyOptimizer+DDP)"):
+    for name in ("torch DDP", "torch ZeRO (ZeroRedundancyOptimizer+DDP)", "torch FSDP2 (fully_shard per block)"):
         print(f"{name:<{width}}{medians[name] * 1e3:>9.1f} ms")
     for name, ref, second in REPORT:
         line = f"{name:<{width}}{medians[name] * 1e3:>9.1f} ms   {medians[name] / medians[ref]:.3f}x {ref}"
