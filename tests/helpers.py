@@ -55,6 +55,16 @@ class Regression(tk.TrainModule):
         x, y = batch
         self.log("val_loss", F.mse_loss(self(x).float(), y))
 
+    # pipeline strategy: the same model as layers, the same loss on the last layer's output
+    def pipeline_layers(self) -> list[nn.Module]:
+        return list(self.net)
+
+    def pipeline_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
+        return F.mse_loss(output.float(), batch[1])
+
+    def pipeline_validation_step(self, output: torch.Tensor, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        return {"val_loss": F.mse_loss(output.float(), batch[1])}
+
     def configure_optimizers(self) -> Any:
         opt = adamw_groups(self, self.hparams.lr)
         if not self.hparams.scheduler:
@@ -123,8 +133,12 @@ class MaskedSequences(Dataset):
 
 def masked_loss(net: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean squared error over the valid positions, and their count."""
-    x, y, mask = batch
-    err = (net(x) - y).pow(2).squeeze(-1)
+    return masked_loss_of(net(batch[0]), batch)
+
+
+def masked_loss_of(output: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    _, y, mask = batch
+    err = (output - y).pow(2).squeeze(-1)
     n = mask.sum()
     return (err * mask).sum() / n.clamp(min=1), n
 
@@ -137,6 +151,13 @@ class MaskedRegression(tk.TrainModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         loss, n = masked_loss(self.net, batch)
+        return {"loss": loss, "num_items": n}
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return list(self.net)
+
+    def pipeline_loss(self, output: torch.Tensor, batch: Any) -> dict[str, Any]:
+        loss, n = masked_loss_of(output, batch)
         return {"loss": loss, "num_items": n}
 
     def configure_optimizers(self) -> Any:

@@ -23,6 +23,7 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
 from trainkit.data import ResumableSampler, num_batches
+from trainkit_strategies import RunsSchedule
 
 if TYPE_CHECKING:
     from trainkit.trainer import Trainer
@@ -165,9 +166,30 @@ class FitLoop:
         t._call("on_train_epoch_end")
         self._next_epoch()
 
+    def _scheduled_step(self, batch: Any, boundary: bool, k: int) -> Any:
+        """A strategy that runs its own schedule (pipeline): it weights every loss item by 1/k (times the
+        loss scale) and reports the items its rank counted, so the boundary normalises by their total."""
+        t = self.trainer
+        strategy = t.strategy
+        assert isinstance(strategy, RunsSchedule)
+        if self._window == 0:
+            self._item_weighted = True
+        self._items_norm = float(k)
+        weight = 1.0 / k if t.scaler is None else t.scaler.scale / k
+        with nullcontext() if boundary else t.strategy.no_sync():
+            loss, items = strategy.run_schedule(t.module, batch, weight)
+        for fn in t._hooks["on_after_backward"]:
+            fn()
+        self._window_count = self._window_count + items
+        t._last_loss = loss
+        self._window += 1
+        return {"loss": loss, "num_items": items}
+
     def _micro_step(self, batch: Any, batch_idx: int, boundary: bool, k: int) -> Any:
         t = self.trainer
         strategy, module = t.strategy, t.module
+        if isinstance(strategy, RunsSchedule):
+            return self._scheduled_step(batch, boundary, k)
         sync = nullcontext() if boundary else strategy.no_sync()
         with sync:
             with strategy.forward_context():
@@ -335,10 +357,16 @@ class EvalLoop:
             t._call(f"on_{prefix}_epoch_start")
         batch_end = t._hooks[f"on_{prefix}_batch_end"] if not sanity else []
         multi = len(loaders) > 1
+        scheduled = isinstance(t.strategy, RunsSchedule)
         with torch.no_grad(), t.strategy.forward_context():
             for dl_idx, batch_idx, batch in self._batches(loaders, limit):
                 t._results.batch = batch
-                out = step_fn(batch, batch_idx, dataloader_idx=dl_idx) if multi else step_fn(batch, batch_idx)
+                if scheduled:
+                    out = self._scheduled_eval(batch, batch_idx)
+                elif multi:
+                    out = step_fn(batch, batch_idx, dataloader_idx=dl_idx)
+                else:
+                    out = step_fn(batch, batch_idx)
                 for fn in batch_end:
                     fn(out, batch, batch_idx)
         if not sanity:
@@ -351,6 +379,15 @@ class EvalLoop:
             t._call(f"on_{prefix}_end")
         if was_training:
             module.train()
+        return metrics
+
+    def _scheduled_eval(self, batch: Any, batch_idx: int) -> dict[str, Tensor] | None:
+        """Pipeline evaluation: the last stage's metrics, identical on a pipeline's ranks, logged by all."""
+        t = self.trainer
+        assert isinstance(t.strategy, RunsSchedule)
+        metrics = t.strategy.eval_schedule(t.module, batch, batch_idx)
+        for name, value in (metrics or {}).items():
+            t._results.log(name, value, True, True, False, True, "mean", True, None)
         return metrics
 
     def predict(self, loaders: Sequence[DataLoader], limit: int | float | None) -> list[Any]:

@@ -29,7 +29,7 @@ from trainkit.optim import OptimizerConfig, parse_optimizers
 from trainkit.results import Results
 from trainkit.seed import rng_state, seed_everything, set_rng_state
 from trainkit.utils import jsonable
-from trainkit_strategies import DynamicLossScaler, Precision, ShardedInit, Strategy
+from trainkit_strategies import DynamicLossScaler, Precision, RunsSchedule, ShardedInit, Strategy
 from trainkit_strategies.comm import PeerError
 from trainkit_strategies.registry import get_strategy
 
@@ -297,6 +297,9 @@ class Trainer:
                 self.fit_loop.run()
                 return None
             if stage == "predict":
+                if isinstance(self.strategy, RunsSchedule):
+                    raise ValueError(f"predict is not supported under strategy {self.strategy.name!r}; load the "
+                                     "checkpoint with strategy 'single' or 'ddp' to predict.")
                 return self.eval_loop.predict(self.val_dataloaders, self.limit_predict_batches)
             limit = self.limit_val_batches if stage == "validate" else self.limit_test_batches
             metrics = self.eval_loop.run(stage, self.val_dataloaders, limit)
@@ -348,7 +351,7 @@ class Trainer:
     def _connect_data(self, stage: str, train: Any, val: Any) -> None:
         source: Any = self.datamodule if self.datamodule is not None else self.module
         seed = self.seed or 0
-        rank, world = self.strategy.rank, self.strategy.world_size
+        rank, world = self.strategy.dp_rank, self.strategy.dp_size  # pipeline stages of a replica share data
         if stage == "fit":
             loader = train if train is not None else source.train_dataloader()
             if loader is None:

@@ -1,6 +1,6 @@
 """trainkit's distributed strategies, on torch.distributed collectives. Never imports trainkit."""
 
-from trainkit_strategies.base import Environment, ShardedInit, Strategy
+from trainkit_strategies.base import Environment, RunsSchedule, ShardedInit, Strategy
 from trainkit_strategies.memory import ActivationMeter, MemoryReport
 from trainkit_strategies.precision import DynamicLossScaler, Precision
 from trainkit_strategies.registry import available, get_strategy, strategy_class
@@ -12,6 +12,7 @@ __all__ = [
     "Environment",
     "MemoryReport",
     "Precision",
+    "RunsSchedule",
     "ShardedInit",
     "SingleStrategy",
     "Strategy",

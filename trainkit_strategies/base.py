@@ -98,12 +98,13 @@ class Strategy(ABC):
         self._group_names: list[list[str]] = []
 
     # -- environment -------------------------------------------------------------------------------
-    def setup_environment(self, env: Environment) -> None:
-        """Join the process group (if any) and pin the device."""
+    def setup_environment(self, env: Environment, comm: Comm | None = None) -> None:
+        """Join the process group (if any) and pin the device. A composing strategy (pipeline stages
+        replicated by ddp, say) passes the ``comm`` of the subgroup this one works in."""
         self.env = env
         if env.device.type == "cuda":
             torch.cuda.set_device(env.device)
-        self.comm = Comm.connect(env)
+        self.comm = comm if comm is not None else Comm.connect(env)
 
     @property
     def device(self) -> torch.device:
@@ -120,6 +121,15 @@ class Strategy(ABC):
     @property
     def is_global_zero(self) -> bool:
         return self.env.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel replicas (what the sampler shards by)."""
+        return self.rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size
 
     # -- model and optimizer -----------------------------------------------------------------------
     def setup(self, module: nn.Module, optimizer: Optimizer | None, precision: Precision) -> None:
@@ -320,3 +330,16 @@ class ShardedInit(ABC):
 
     @abstractmethod
     def init_context(self) -> contextlib.AbstractContextManager: ...
+
+
+class RunsSchedule(ABC):
+    """The strategy runs forward and backward of a batch itself (pipeline schedules)."""
+
+    @abstractmethod
+    def run_schedule(self, module: nn.Module, batch: Any, weight: float) -> tuple[Tensor, Tensor | float]:
+        """Forward and backward of ``batch``, each loss item weighted by ``weight``. Returns the batch's
+        mean loss (on every rank) and the items this rank's losses counted (0 where no loss is computed)."""
+
+    @abstractmethod
+    def eval_schedule(self, module: nn.Module, batch: Any, batch_idx: int) -> dict[str, Tensor] | None:
+        """Forward-only evaluation of ``batch``: metrics, identical on the ranks of a pipeline."""

@@ -16,6 +16,7 @@ _BUILTIN = {
     "zero_offload": "trainkit_strategies.zero:ZeroOffloadStrategy",
     "zero3": "trainkit_strategies.sharded:Zero3Strategy",
     "fsdp": "trainkit_strategies.fsdp:FSDPStrategy",
+    "pipeline": "trainkit_strategies.pipeline:PipelineStrategy",
 }
 
 

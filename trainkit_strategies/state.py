@@ -13,7 +13,7 @@ Keys: ``model/<name>`` for parameters (the fp32 master where one exists) and per
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -75,6 +75,12 @@ class StateLayout:
     optimizer: Optimizer | None
     optimizer_holders: list[Holder]  # one per optimizer param, in param_groups order
     group_names: list[list[str]]  # the user's param groups as parameter names
+
+
+def rename_holder(holder: Holder, rename: Callable[[str], str]) -> Holder:
+    """The same holder with its segments' tensor names mapped (a pipeline stage's names to the model's)."""
+    segments = tuple(Segment(rename(s.name), s.start, s.stop, s.offset) for s in holder.segments)
+    return Holder(holder.tensor, segments, holder.write)
 
 
 def whole_holder(name: str, tensor: Tensor, write: bool) -> Holder:

@@ -57,11 +57,19 @@ class Case:
     clip: float | None = None
     steps: int = 10
     per_rank_batch: int = 4
-    model: str = "regression"  # "regression", "masked" (num_items), "routed" (params unused at times), "gpt"
+    # "regression", "validated" (sync_dist and torchmetrics validation), "masked" (num_items),
+    # "routed" (parameters unused at times), "gpt" (tied embeddings, tokens as items)
+    model: str = "regression"
     record_comm: bool = False
     validate: bool = False  # validate every 5 steps on 13 samples (uneven across ranks): val_* metrics
     checkpointing: bool = False  # activation checkpointing on the GPT's blocks
     init_scale: float | None = None  # "16-mixed": start the loss scale here (low enough that nothing overflows)
+
+    def replicas(self, world_size: int) -> int:
+        """Data-parallel replicas: the ranks of one pipeline read the same data."""
+        if self.strategy == "pipeline":
+            return world_size // self.options.get("stages", world_size)
+        return world_size
 
     def tolerance(self) -> dict[str, float]:
         return FP32 if self.precision == "32" else BF16
@@ -75,6 +83,7 @@ class Result:
     comm: list[dict[str, int]] = field(default_factory=list)  # bytes per micro-step, by collective kind
     psi: int = 0
     val: dict[str, float] = field(default_factory=dict)
+    peaks: list[dict] = field(default_factory=list)  # pipeline: each rank's activation peak in the last step
 
 
 class Probe(Callback):
@@ -115,19 +124,21 @@ class Probe(Callback):
 
 
 def _module_and_data(case: Case, world_size: int) -> tuple[Any, Any]:
-    samples = case.steps * case.accumulate * case.per_rank_batch * world_size
+    samples = case.steps * case.accumulate * case.per_rank_batch * case.replicas(world_size)
     if case.model == "masked":
         return MaskedRegression(), MaskedSequences(samples)
     if case.model == "routed":
         return RoutedRegression(), regression_data(samples)
     if case.model == "gpt":  # tied embeddings; loss weighted by tokens
-        # No biases: the key bias gets an exactly-zero gradient (softmax ignores a shift shared by all
-        # keys), so its float noise, normalised by Adam, would differ with any change of summation order.
+        # Adam divides each gradient by its own magnitude (plus eps), so an element whose gradient is
+        # ~1e-9 turns reduction-order noise of ~1e-8 into a different update. No biases (the key bias's
+        # gradient is exactly zero: softmax ignores a shift shared by all keys) and eps=1e-3 keep those
+        # elements' updates continuous in the gradient; every strategy is still held to 1e-5/1e-6.
         torch.manual_seed(0)
         module = DemoGPT(vocab_size=16, block_size=16, n_layer=2, n_head=2, n_embd=32, warmup_steps=2, max_steps=10,
-                         bias=False)
+                         bias=False, adam_eps=1e-3)
         return module, TokenWindows(MarkovChain(16, 0.5, seed=3).sample(samples, 17, seed=4))
-    return (ValidatedRegression() if case.validate else Regression()), regression_data(samples)
+    return (ValidatedRegression() if case.model == "validated" else Regression()), regression_data(samples)
 
 
 def run_case(case: Case, world_size: int, per_rank_batch: int) -> Result:
@@ -148,13 +159,15 @@ def run_case(case: Case, world_size: int, per_rank_batch: int) -> Result:
     params = {k: v.detach().float().clone() for k, v in strategy.full_parameters().items()}
     psi = sum(p.numel() for p in module.parameters())
     metrics = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
-    return Result(probe.losses, probe.grads, params, probe.comm, psi, metrics)
+    peaks = strategy.all_gather_object(getattr(strategy, "activation_peak", {}))
+    return Result(probe.losses, probe.grads, params, probe.comm, psi, metrics, peaks)
 
 
 def run_reference(case: Case, world_size: int) -> Result:
     """The single-process run on the whole global batch."""
     single = Case(**{**asdict(case), "strategy": "single", "options": {}})
-    return run_case(single, world_size, case.per_rank_batch * world_size)
+    replicas = case.replicas(world_size)
+    return run_case(single, replicas, case.per_rank_batch * replicas)
 
 
 def _save(result: Result, path: Path) -> None:
@@ -164,7 +177,7 @@ def _save(result: Result, path: Path) -> None:
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path.with_suffix(".safetensors")))
     path.with_suffix(".json").write_text(json.dumps({"losses": result.losses, "comm": result.comm,
                                                      "steps": len(result.grads), "psi": result.psi,
-                                                     "val": result.val}))
+                                                     "val": result.val, "peaks": result.peaks}))
 
 
 def _load(path: Path) -> Result:
@@ -173,7 +186,7 @@ def _load(path: Path) -> Result:
     params = {k[6:]: v for k, v in tensors.items() if k.startswith("param/")}
     grads = [{k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith(f"grad{i}/")}
              for i in range(meta["steps"])]
-    return Result(meta["losses"], grads, params, meta["comm"], meta["psi"], meta["val"])
+    return Result(meta["losses"], grads, params, meta["comm"], meta["psi"], meta["val"], meta["peaks"])
 
 
 def _worker(rank: int, world_size: int, port: int, cases: list[Case], out: str) -> None:

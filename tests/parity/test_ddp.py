@@ -9,7 +9,7 @@ from tests.parity.harness import Case, assert_parity, run_reference, run_world
 SMALL_BUCKETS = {"bucket_mb": 0.0004}  # ~400 B: the 8-16-1 MLP spreads over several buckets
 
 CASES = [
-    Case("acc1_validate", "ddp", SMALL_BUCKETS, validate=True),
+    Case("acc1_validate", "ddp", SMALL_BUCKETS, validate=True, model="validated"),
     Case("acc4_clip", "ddp", SMALL_BUCKETS, accumulate=4, clip=0.05),
     Case("acc1_clip_one_bucket", "ddp", {}, clip=0.05),
     Case("acc4_num_items", "ddp", SMALL_BUCKETS, accumulate=4, model="masked"),

@@ -110,6 +110,29 @@ class TinyGPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+class _Embed(nn.Module):
+    """Pipeline stage 0 of TinyGPT: token + position embeddings (shares the model's modules)."""
+
+    def __init__(self, model: TinyGPT) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+
+    def forward(self, idx: Tensor) -> Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+
+class _Head(nn.Module):
+    """The last pipeline stage of TinyGPT: final norm and the LM head (tied to the embedding)."""
+
+    def __init__(self, model: TinyGPT) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = model.ln_f, model.lm_head
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
 class DemoGPT(TrainModule):
     """TinyGPT trained as a language model with AdamW and linear warmup + cosine decay.
 
@@ -120,13 +143,14 @@ class DemoGPT(TrainModule):
     Args:
         vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias: see GPTConfig.
         lr: peak learning rate. weight_decay: applied to matrices, not to biases/norms/embeddings.
+        adam_eps: AdamW's epsilon.
         warmup_steps: linear warmup. max_steps: length of the cosine decay (to 10% of lr).
     """
 
     def __init__(
         self, vocab_size: int = 16, block_size: int = 64, n_layer: int = 2, n_head: int = 4, n_embd: int = 64,
         dropout: float = 0.0, lr: float = 3e-3, weight_decay: float = 0.1, warmup_steps: int = 50,
-        max_steps: int = 2000, bias: bool = True,
+        max_steps: int = 2000, bias: bool = True, adam_eps: float = 1e-8,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -152,14 +176,18 @@ class DemoGPT(TrainModule):
         self.log("train_loss", loss, prog_bar=True)
         return {"loss": loss, "num_items": y.numel()}
 
+    def _eval_metrics(self, logits: Tensor, targets: Tensor, prefix: str) -> dict[str, Tensor]:
+        # position i predicts token i+1 from tokens <= i: the order-2 context is complete from i >= 1
+        loss = F.cross_entropy(logits[:, 1:].flatten(0, 1).float(), targets[:, 1:].flatten())
+        metrics = {f"{prefix}_loss": loss}
+        if self.entropy_rate is not None:
+            metrics[f"{prefix}_excess"] = loss - self.entropy_rate
+        return metrics
+
     def _eval_step(self, batch: tuple[Tensor, Tensor], prefix: str) -> None:
         x, y = batch
-        logits = self(x)[:, 1:]  # position i predicts token i+1 from tokens <= i: needs i >= 1
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y[:, 1:].flatten())
-        self.log(f"{prefix}_loss", loss, prog_bar=True, sync_dist=True, batch_size=x.shape[0])
-        if self.entropy_rate is not None:
-            self.log(f"{prefix}_excess", loss - self.entropy_rate, prog_bar=True, sync_dist=True,
-                     batch_size=x.shape[0])
+        for name, value in self._eval_metrics(self(x), y, prefix).items():
+            self.log(name, value, prog_bar=True, sync_dist=True, batch_size=x.shape[0])
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self._eval_step(batch, "val")
@@ -167,12 +195,23 @@ class DemoGPT(TrainModule):
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self._eval_step(batch, "test")
 
+    # pipeline strategy: embeddings, the blocks, and the head as layers; the same losses as above
+    def pipeline_layers(self) -> list[nn.Module]:
+        return [_Embed(self.model), *self.model.blocks, _Head(self.model)]
+
+    def pipeline_loss(self, logits: Tensor, batch: tuple[Tensor, Tensor]) -> dict[str, Tensor | int]:
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[1].flatten())
+        return {"loss": loss, "num_items": batch[1].numel()}
+
+    def pipeline_validation_step(self, logits: Tensor, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict:
+        return self._eval_metrics(logits, batch[1], "val")
+
     def configure_optimizers(self) -> dict:
         decay = [p for n, p in self.named_parameters() if p.dim() >= 2 and "wte" not in n and "wpe" not in n]
         rest = [p for n, p in self.named_parameters() if not (p.dim() >= 2 and "wte" not in n and "wpe" not in n)]
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-            lr=self.hparams.lr, betas=(0.9, 0.95),
+            lr=self.hparams.lr, betas=(0.9, 0.95), eps=self.hparams.adam_eps,
         )
         warmup, total = self.hparams.warmup_steps, max(self.hparams.max_steps, 1)
 

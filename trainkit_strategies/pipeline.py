@@ -1,0 +1,385 @@
+"""Pipeline parallelism: layers split across ranks, micro-batches streamed through them by a schedule.
+
+A module opts in by exposing ``pipeline_layers()`` (an ordered sequence of modules whose composition is
+its forward) and ``pipeline_loss(output, batch)`` (the loss on the last stage's output; a mean over its
+items, optionally ``{"loss", "num_items"}``). Optional: ``pipeline_input(batch)`` (default: the batch's
+first element) and ``pipeline_validation_step(output, batch, batch_idx) -> {name: mean}`` for
+evaluation. The layers are split into contiguous stages balanced by parameter count (or ``split``);
+with ``world_size = stages * replicas`` rank ``r`` runs stage ``r % stages`` of replica ``r // stages``,
+and each stage's gradients are reduced across replicas by an inner data-parallel strategy (ddp or
+zero1) working in that stage's subgroup.
+
+One batch is cut into ``microbatches`` pieces and run by a schedule from ``schedules.py`` (1F1B by
+default): activations and their gradients travel between neighbouring stages with asynchronous
+send/recv, each preceded by a small header (shape and dtype) so stages need not know shapes in advance.
+Every micro-batch's loss is weighted by its item count (samples unless ``num_items`` is given), so the
+pipelined step equals the full-batch step. Parameters shared by layers on different stages (a tied
+embedding and LM head) are kept in sync by summing their gradients across those stages each step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from trainkit_strategies import state as st
+from trainkit_strategies.base import Environment, RunsSchedule, Strategy, _local_norm
+from trainkit_strategies.comm import Comm, Handle
+from trainkit_strategies.memory import ActivationMeter, MemoryReport
+from trainkit_strategies.precision import Precision
+from trainkit_strategies.registry import get_strategy
+from trainkit_strategies.schedules import SCHEDULES, partition
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool]
+_HEADER = 8  # ndim, dtype code, up to 6 dims
+
+
+class _Stage(nn.Module):
+    """This rank's layers, applied in order."""
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x: Any) -> Any:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _first_tensor(batch: Any) -> Tensor:
+    if isinstance(batch, Tensor):
+        return batch
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, list | tuple) else []
+    for value in values:
+        with contextlib.suppress(TypeError):
+            return _first_tensor(value)
+    raise TypeError(f"pipeline: found no tensor in the batch ({type(batch).__name__}) to cut into micro-batches.")
+
+
+def _split(batch: Any, parts: int) -> list[Any]:
+    """The batch cut into ``parts`` along the first dimension of every tensor, structure kept."""
+    if isinstance(batch, Tensor):
+        return list(batch.tensor_split(parts))
+    if isinstance(batch, Mapping):
+        split = {k: _split(v, parts) for k, v in batch.items()}
+        return [{k: v[i] for k, v in split.items()} for i in range(parts)]
+    if isinstance(batch, list | tuple):
+        split_items = [_split(v, parts) for v in batch]
+        return [type(batch)(v[i] for v in split_items) for i in range(parts)]
+    return [batch] * parts
+
+
+def _missing_hooks(module: nn.Module) -> list[str]:
+    return [name for name in ("pipeline_layers", "pipeline_loss") if not callable(getattr(module, name, None))]
+
+
+class PipelineStrategy(Strategy, RunsSchedule):
+    """Split the model's layers into stages across ranks and pipeline micro-batches through them.
+
+    Args:
+        stages: pipeline depth (default: every rank a stage). The world size must be a multiple of it.
+        microbatches: pieces each batch is cut into (its size must divide evenly, or the last is smaller).
+        schedule: "1f1b" (bounded activation memory) or "gpipe".
+        split: layers per stage, e.g. ``[3, 5]``; default: balanced by parameter count.
+        data_parallel: strategy reducing each stage's gradients across replicas: "ddp" or "zero1".
+        bucket_mb: bucket size of that strategy.
+        measure_activations: record the peak of activation bytes alive per step (``activation_peak``).
+    """
+
+    name = "pipeline"
+
+    def __init__(self, stages: int | None = None, microbatches: int = 4, schedule: str = "1f1b",
+                 split: list[int] | None = None, data_parallel: str = "ddp", bucket_mb: float = 25.0,
+                 measure_activations: bool = False) -> None:
+        super().__init__()
+        if stages is not None and stages < 1:
+            raise ValueError(f"pipeline stages must be >= 1; got {stages}.")
+        if microbatches < 1:
+            raise ValueError(f"pipeline microbatches must be >= 1; got {microbatches}.")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"pipeline schedule must be one of {sorted(SCHEDULES)}; got {schedule!r}.")
+        if data_parallel not in ("ddp", "zero1"):
+            raise ValueError(f"pipeline data_parallel must be 'ddp' or 'zero1'; got {data_parallel!r}.")
+        self.stages, self.microbatches, self.schedule = stages, microbatches, schedule
+        self.split, self.data_parallel, self.bucket_mb = split, data_parallel, bucket_mb
+        self.measure_activations = measure_activations
+        self.inner: Strategy = get_strategy(data_parallel, bucket_mb=bucket_mb)
+        self.activation_peak = {"micro_batches": 0, "bytes": 0}
+        self._tied: list[tuple[nn.Parameter, Comm, bool]] = []  # (param, comm of its stages, counted in norms)
+        self._to_global: dict[str, str] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+
+    # -- topology ------------------------------------------------------------------------------------
+    def setup_environment(self, env: Environment, comm: Comm | None = None) -> None:
+        super().setup_environment(env, comm)
+        stages = self.stages or env.world_size
+        if env.world_size % stages:
+            raise ValueError(f"pipeline: world_size={env.world_size} is not a multiple of stages={stages}; "
+                             f"use a world size of stages x replicas.")
+        self.stages, self.replicas = stages, env.world_size // stages
+        self.stage, self.replica = env.rank % stages, env.rank // stages
+        dp = [self.comm.subgroup([d * stages + s for d in range(self.replicas)]) for s in range(stages)]
+        pipes = [self.comm.subgroup([d * stages + s for s in range(stages)]) for d in range(self.replicas)]
+        self.pipe = pipes[self.replica]
+        inner_env = Environment(env.device, self.replica, self.replica, self.replicas, env.master_addr,
+                                env.master_port, env.timeout_s)
+        self.inner.setup_environment(inner_env, comm=dp[self.stage])
+
+    @property
+    def dp_rank(self) -> int:
+        return self.replica
+
+    @property
+    def dp_size(self) -> int:
+        return self.replicas
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    # -- setup ---------------------------------------------------------------------------------------
+    def setup(self, module: nn.Module, optimizer: Optimizer | None, precision: Precision) -> None:
+        missing = _missing_hooks(module)
+        if missing:
+            raise TypeError(
+                f"Strategy 'pipeline' needs {type(module).__name__} to define {' and '.join(missing)}: "
+                "pipeline_layers() -> the ordered layers whose composition is the model, and "
+                "pipeline_loss(output, batch) -> the loss on the last layer's output. See docs/strategies.md."
+            )
+        self.module, self.optimizer, self.precision = module, optimizer, precision
+        layers = list(module.pipeline_layers())
+        names = st.param_names(module)
+        if optimizer is not None:
+            self._group_names = st.group_names_of(optimizer, names)
+        self._shapes, _ = self._whole_state(skip=set())
+        counts = self._split([sum(p.numel() for p in layer.parameters()) for layer in layers])
+        bounds = [sum(counts[:s]) for s in range(self.stages + 1)]
+        stage_of: dict[nn.Parameter, set[int]] = {}
+        for s in range(self.stages):
+            for layer in layers[bounds[s] : bounds[s + 1]]:
+                for p in layer.parameters():
+                    stage_of.setdefault(p, set()).add(s)
+        mine = [p for p, stages in stage_of.items() if self.stage in stages]
+        self._tied = []
+        for p in names:  # every rank creates every group, in one order
+            holders = sorted(stage_of.get(p, ()))
+            if len(holders) < 2:
+                continue
+            groups = [self.comm.subgroup([d * self.stages + s for s in holders]) for d in range(self.replicas)]
+            if self.stage in holders:
+                self._tied.append((p, groups[self.replica], self.stage == holders[0]))
+        if self._tied and self.data_parallel == "zero1":
+            raise ValueError("pipeline: parameters shared across stages (e.g. a tied embedding and LM head) need "
+                             "data_parallel='ddp'; zero1 shards their gradients before they can be summed.")
+        with torch.no_grad():
+            for p in names:
+                if p not in stage_of or self.stage not in stage_of[p]:
+                    p.data = torch.empty(0, dtype=p.dtype)  # another stage's: this rank never runs it
+        self._stage = _Stage(layers[bounds[self.stage] : bounds[self.stage + 1]])
+        buffer_names = {id(b): n for n, b in st.persistent_buffers(module)}
+        self._to_global = {n: names[p] for n, p in self._stage.named_parameters()}
+        self._to_global |= {n: buffer_names[id(b)] for n, b in st.persistent_buffers(self._stage)}
+        if optimizer is not None:
+            kept = set(mine)
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if p in kept]
+        self.inner.setup(self._stage, optimizer, precision)
+        self._actions = SCHEDULES[self.schedule](self.stages, self.microbatches)[self.stage]
+
+    def _split(self, sizes: list[int]) -> list[int]:
+        if self.split is None:
+            return partition(sizes, self.stages)
+        if len(self.split) != self.stages or sum(self.split) != len(sizes) or min(self.split) < 1:
+            raise ValueError(f"pipeline split={self.split} must give each of the {self.stages} stages at least one "
+                             f"layer and add up to the module's {len(sizes)} pipeline_layers().")
+        return list(self.split)
+
+    # -- the schedule --------------------------------------------------------------------------------
+    def _send(self, tensor: Tensor, dst: int) -> list[Handle]:
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
+        payload = tensor.detach().contiguous()
+        return [self.pipe.send(header.to(self.device), dst), self.pipe.send(payload, dst)]
+
+    def _recv(self, src: int) -> Tensor:
+        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+        self.pipe.recv(header, src).wait()
+        shape = tuple(header[2 : 2 + int(header[0])].tolist())
+        payload = torch.empty(shape, dtype=_DTYPES[int(header[1])], device=self.device)
+        self.pipe.recv(payload, src).wait()
+        return payload
+
+    def _chunks(self, batch: Any) -> list[Any]:
+        size = _first_tensor(batch).shape[0]
+        if size < self.microbatches:
+            raise ValueError(f"pipeline: a batch of {size} samples cannot be cut into {self.microbatches} "
+                             "micro-batches; lower --trainer.strategy.microbatches or raise the batch size.")
+        return _split(batch, self.microbatches)
+
+    def _input(self, module: nn.Module, chunk: Any) -> Any:
+        hook = getattr(module, "pipeline_input", None)
+        if callable(hook):
+            return hook(chunk)
+        return chunk[0] if isinstance(chunk, list | tuple) else chunk
+
+    @staticmethod
+    def _items(loss: Any, chunk: Any) -> tuple[Tensor, Tensor | int]:
+        """The loss and how many items it averages: ``num_items`` when given, else the samples."""
+        if isinstance(loss, Mapping):
+            return loss["loss"], loss.get("num_items", _first_tensor(chunk).shape[0])
+        return loss, _first_tensor(chunk).shape[0]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        yield  # the schedule keeps the inner strategy quiet until reduce_gradients anyway
+
+    def run_schedule(self, module: nn.Module, batch: Any, weight: float) -> tuple[Tensor, Tensor | float]:
+        chunks = self._chunks(batch)
+        prev, nxt = self.stage - 1, self.stage + 1
+        inputs: dict[int, Tensor] = {}
+        outputs: dict[int, Tensor] = {}
+        grads: dict[int, Tensor] = {}
+        held: dict[int, int] = {}
+        sends: list[Handle] = []
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        items: Tensor | float = 0.0
+        live = peak = peak_bytes = live_bytes = 0
+        with self.inner.no_sync():
+            for kind, mb in self._actions:
+                if kind == "RECV_F":
+                    inputs[mb] = self._recv(prev).requires_grad_(True)
+                elif kind == "F":
+                    x = inputs[mb] if self.stage else self._input(module, chunks[mb])
+                    meter = ActivationMeter(self._stage.parameters()) if self.measure_activations else None
+                    with self.precision.forward_context(self.device), meter or contextlib.nullcontext():
+                        out = self._stage(x)
+                        if self.last:
+                            loss, n = self._items(module.pipeline_loss(out, chunks[mb]), chunks[mb])
+                            loss_sum += loss.detach().double() * n
+                            items = items + n
+                            out = loss * (n * weight)
+                    outputs[mb] = out
+                    held[mb] = meter.bytes if meter else 0
+                    live, live_bytes = live + 1, live_bytes + held[mb]
+                    peak, peak_bytes = max(peak, live), max(peak_bytes, live_bytes)
+                elif kind == "SEND_F":
+                    sends += self._send(outputs[mb], nxt)
+                elif kind == "RECV_B":
+                    grads[mb] = self._recv(nxt)
+                elif kind == "B":
+                    out = outputs.pop(mb)
+                    out.backward(grads.pop(mb, None))
+                    live, live_bytes = live - 1, live_bytes - held.pop(mb)
+                else:  # SEND_B
+                    sends += self._send(inputs.pop(mb).grad, prev)
+        for handle in sends:
+            handle.wait()
+        self.activation_peak = {"micro_batches": peak, "bytes": peak_bytes}
+        stats = torch.stack([loss_sum, torch.as_tensor(items, dtype=torch.float64, device=self.device)])
+        self.pipe.broadcast(stats, src=self.stages - 1)
+        return (stats[0] / stats[1].clamp(min=1)).float(), items
+
+    def eval_schedule(self, module: nn.Module, batch: Any, batch_idx: int) -> dict[str, Tensor] | None:
+        step = getattr(module, "pipeline_validation_step", None)
+        chunks = self._chunks(batch)
+        totals: dict[str, Tensor] = {}
+        count = 0
+        sends: list[Handle] = []
+        with torch.no_grad(), self.precision.forward_context(self.device):
+            for mb, chunk in enumerate(chunks):
+                x = self._recv(self.stage - 1) if self.stage else self._input(module, chunk)
+                out = self._stage(x)
+                if not self.last:
+                    sends += self._send(out, self.stage + 1)
+                elif callable(step):
+                    n = _first_tensor(chunk).shape[0]
+                    for name, value in step(out, chunk, batch_idx * self.microbatches + mb).items():
+                        totals[name] = totals.get(name, 0) + value.detach().double() * n
+                    count += n
+        for handle in sends:
+            handle.wait()
+        if not callable(step):
+            return None
+        result = {k: v / count for k, v in totals.items()} if self.last else None
+        return self.pipe.broadcast_object(result, src=self.stages - 1)
+
+    # -- gradients and step --------------------------------------------------------------------------
+    def reduce_gradients(self, scale: float | Tensor) -> None:
+        for p, comm, _ in self._tied:  # a shared parameter's gradient is the sum over its stages' uses
+            if p.grad is not None:
+                comm.all_reduce(p.grad)
+        self.inner.reduce_gradients(scale)
+
+    def gradients(self) -> list[Tensor]:
+        return self.inner.gradients()
+
+    def grad_norm(self, norm_type: float = 2.0) -> Tensor:
+        if self.data_parallel == "zero1":
+            local = self.inner.grad_norm(norm_type)
+        else:  # whole gradients, replicated across replicas; a shared parameter counts once
+            skip = {id(p) for p, _, counted in self._tied if not counted}
+            grads = [p.grad for p in self._stage.parameters() if p.grad is not None and id(p) not in skip]
+            local = _local_norm(grads, norm_type, self.device)
+        if norm_type == float("inf"):
+            self.pipe.all_reduce(local, "max")
+            return local
+        powered = local.pow(norm_type)
+        self.pipe.all_reduce(powered)
+        return powered.pow(1.0 / norm_type)
+
+    def scale_grads(self, factor: float | Tensor) -> None:
+        self.inner.scale_grads(factor)
+
+    def clip_grad_value(self, value: float) -> None:
+        self.inner.clip_grad_value(value)
+
+    def optimizer_step(self) -> None:
+        self.inner.optimizer_step()
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # the schedule applies the precision policy around each stage forward
+
+    # -- state ---------------------------------------------------------------------------------------
+    def state_layout(self) -> st.StateLayout:
+        inner = self.inner.state_layout()
+        rename = self._to_global.__getitem__
+        return st.StateLayout(
+            shapes=self._shapes,
+            model=[st.rename_holder(h, rename) for h in inner.model],
+            optimizer=inner.optimizer,
+            optimizer_holders=[st.rename_holder(h, rename) for h in inner.optimizer_holders],
+            group_names=self._group_names,
+        )
+
+    def _after_load(self) -> None:
+        self.inner._after_load()
+
+    def _gathered(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Whole-model tensors on every rank from each stage's (collective over the world)."""
+        mine = {self._to_global[n]: t.detach().cpu() for n, t in tensors.items()} if self.inner.is_global_zero else {}
+        out: dict[str, Tensor] = {}
+        for part in self.comm.all_gather_object(mine):
+            out |= part
+        return out
+
+    def full_parameters(self) -> dict[str, Tensor]:
+        return self._gathered(self.inner.full_parameters())
+
+    def full_gradients(self) -> dict[str, Tensor]:
+        return self._gathered(self.inner.full_gradients())
+
+    def memory_report(self) -> MemoryReport:
+        return self.inner.memory_report()
+
+    def teardown(self) -> None:
+        self.inner.teardown()
