@@ -182,6 +182,7 @@ class FitLoop:
             fn()
         self._window_count = self._window_count + items
         t._last_loss = loss
+        t._results.log("train_loss", loss, False, True, True, False, "mean", False, None)  # no training_step ran
         self._window += 1
         return {"loss": loss, "num_items": items}
 
