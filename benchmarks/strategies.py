@@ -138,7 +138,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
     variants |= {f"trainkit {name}": trainkit_variant(name, {}, env, shape, x) for name in TRAINKIT}
     times: dict[str, list[float]] = {name: [] for name in [*variants, "1 rank, its share"]}
     local = local_variant(shape, x) if rank == 0 else None
-    for name, step in variants.items():  # warm-up
+    for step in variants.values():  # warm-up
         for _ in range(2):
             step()
     order = list(variants.items())

@@ -65,6 +65,7 @@ class Unit:
     handles: list[Handle] = field(default_factory=list)
     forward_calls: int = 0
     reduced_flats: int = 0
+    pending_grads: int = 0  # gradients still to arrive in this backward (no-sync micro-steps)
 
 
 def _in_backward() -> bool:
@@ -174,6 +175,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         for unit in self.units:
             self._materialise(unit)
         self._flat_of = {p: f for f in self._flats for p in f.params}
+        self.comm.broadcast_coalesced([b for b in module.buffers() if not b.is_meta])
         self._launcher = OrderedLauncher([sum(p.requires_grad for p in f.params) for f in self._flats], self._launch)
         if optimizer is not None:
             self._master.retarget(optimizer)
@@ -265,7 +267,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
             if not any(p is not None and p in homes and p.is_meta for p in mod._parameters.values()):
                 continue
             metas = [n for n, p in mod._parameters.items() if p is not None and p.is_meta]
-            reset = getattr(mod, "reset_parameters", None)
+            reset = getattr(mod, "reset_parameters", None) or getattr(mod, "_reset_parameters", None)
             if reset is None:
                 raise TypeError(
                     f"{type(mod).__name__} was built on the meta device (in configure_model) but has no "
@@ -287,6 +289,9 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
                     mod._buffers[name] = torch.empty_like(buf, device=self.device)
             with torch.no_grad():
                 reset()
+                custom = getattr(self.module, "init_weights", None)
+                if callable(custom):  # the model's own initialisation, module by module
+                    custom(mod)
         for mod in self.module.modules():  # buffers of modules without parameters
             for name, buf in mod._buffers.items():
                 if buf is not None and buf.is_meta:
@@ -397,6 +402,8 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
     def backward(self, loss: Tensor) -> None:
         self._launcher.reset()
         self._end_queued = False
+        for unit in self.units:
+            unit.pending_grads = sum(p.requires_grad for f in unit.flats for p in f.params)
         self._position["backward"] = 0
         with warnings.catch_warnings():  # the first unit's inputs never require grad; its pre-hook still fires
             warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
@@ -409,8 +416,14 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
 
     def _on_grad(self, param: Tensor) -> None:
         self._queue_end_backward()
+        flat = self._flat_of[param]
         if self._syncing:
-            self._launcher.ready(self._flat_of[param].index)
+            self._launcher.ready(flat.index)
+            return
+        unit = self._unit_of_flat[flat.index]  # gradients stay whole until the window's last backward,
+        unit.pending_grads -= 1                 # but the unit's parameters can go once they are all in
+        if unit.pending_grads == 0 and not unit.root:
+            self._reshard(unit)
 
     def _launch(self, index: int) -> None:
         flat = self._flats[index]
@@ -499,6 +512,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
                 self._gather(unit)
 
     def zero_grad(self) -> None:
+        self._grad_mult = 1.0  # a step skipped for overflow never consumed it
         for buffer in self._grad_flats:
             buffer.zero_()
 

@@ -261,6 +261,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
             h.wait()
 
     def zero_grad(self) -> None:
+        self._grad_mult = 1.0  # a step skipped for overflow never consumed it
         for g in self._groups:
             for buffer in (g.full_grad, g.grad):
                 if buffer is not None:

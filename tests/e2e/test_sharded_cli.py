@@ -19,7 +19,8 @@ def test_fsdp_to_zero3_to_ddp_continues_the_same_run(tmp_path):
     ddp = tmp_path / "ddp"
     fit(ddp, "ddp", devices=1, max_steps=30, batch=GLOBAL_BATCH, sequences=SEQUENCES, schedule=30,
         extra=("--ckpt_path", str(zero3 / "checkpoints" / "epoch=1-step=20")))
-    assert_close_tensors(tensors(ddp / "checkpoints" / "epoch=2-step=30"), tensors(full / "checkpoints" / "epoch=2-step=30"))
+    assert_close_tensors(tensors(ddp / "checkpoints" / "epoch=2-step=30"),
+                         tensors(full / "checkpoints" / "epoch=2-step=30"))
     for step in (20, 30):
         chain = scalars(zero3 if step == 20 else ddp, "val_loss")[step]
         assert abs(chain - scalars(full, "val_loss")[step]) < 1e-5

@@ -44,5 +44,5 @@ def test_bad_strategy_options(name, options, message):
 
 
 def test_single_refuses_several_processes():
-    with pytest.raises(ValueError, match="world_size=2.*--trainer.strategy ddp"):
+    with pytest.raises(ValueError, match=r"world_size=2.*--trainer\.strategy ddp"):
         get_strategy("single").setup_environment(Environment(world_size=2))

@@ -36,9 +36,9 @@ from tests.helpers import (
     regression_data,
 )
 from trainkit import Trainer
+from trainkit.callbacks import Callback
 from trainkit.demo.gpt import Block, DemoGPT
 from trainkit.demo.markov import MarkovChain, TokenWindows
-from trainkit.callbacks import Callback
 from trainkit_strategies import get_strategy
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}

@@ -52,7 +52,7 @@ def test_zero1_reduce_scatters_and_gathers_psi_per_step_and_nothing_on_micro_ste
 
 
 def test_zero2_moves_psi_each_way_per_step(world):
-    world_size, results = world
+    _, results = world
     for moved in results["zero2-comm-acc1"].comm:
         assert moved.keys() == {"reduce_scatter", "all_gather"}
         assert moved["reduce_scatter"] == moved["all_gather"]
