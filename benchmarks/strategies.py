@@ -42,6 +42,8 @@ REPORT = [
     ("trainkit zero_offload", "torch ZeRO (ZeroRedundancyOptimizer+DDP)", "trainkit ddp"),
     ("trainkit fsdp", "torch FSDP2 (fully_shard per block)", "trainkit ddp"),
     ("trainkit zero3", "torch FSDP2 (fully_shard per block)", "trainkit ddp"),
+    ("trainkit pipeline GPipe", "torch pipelining GPipe", None),
+    ("trainkit pipeline 1F1B", "torch pipelining 1F1B", None),
 ]
 
 
@@ -108,6 +110,60 @@ def torch_fsdp2_variant(shape: tuple[int, int, int], x: torch.Tensor) -> Step:
     return step
 
 
+class PipelinedMLP(nn.Module):
+    """The benchmark MLP as pipeline layers (its blocks) with an MSE loss against the input."""
+
+    def __init__(self, shape: tuple[int, int, int]) -> None:
+        super().__init__()
+        self.blocks = make_model(*shape)
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return list(self.blocks)
+
+    def pipeline_loss(self, output: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.mse_loss(output, batch[1])
+
+
+def trainkit_pipeline_variant(schedule: str, env: Environment, shape: tuple[int, int, int], x: torch.Tensor,
+                              microbatches: int) -> Step:
+    module = PipelinedMLP(shape)
+    strategy = get_strategy("pipeline", schedule=schedule, microbatches=microbatches)
+    strategy.setup_environment(env)
+    strategy.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-4), Precision.from_name("32"))
+
+    def step() -> None:
+        strategy.run_schedule(module, (x, x), 1.0)  # every sample's loss weighted 1, normalised below
+        strategy.reduce_gradients(1.0 / x.shape[0])
+        strategy.optimizer_step()
+        strategy.zero_grad()
+
+    return step
+
+
+def torch_pipelining_variant(schedule: str, rank: int, shape: tuple[int, int, int], x: torch.Tensor,
+                             microbatches: int) -> Step:
+    """torch.distributed.pipelining with the same split (half the blocks per stage) and micro-batches."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    blocks = list(make_model(*shape))
+    half = len(blocks) // 2
+    stage_module = nn.Sequential(*(blocks[:half] if rank == 0 else blocks[half:]))
+    stage = PipelineStage(stage_module, stage_index=rank, num_stages=2, device=torch.device("cpu"))
+    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    runner = cls(stage, n_microbatches=microbatches, loss_fn=F.mse_loss)
+    opt = torch.optim.AdamW(stage_module.parameters(), lr=1e-4)
+
+    def step() -> None:
+        if rank == 0:
+            runner.step(x)
+        else:
+            runner.step(target=x, losses=[])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
 def local_variant(shape: tuple[int, int, int], x: torch.Tensor) -> Step:
     """One rank on its share with no communication: the scaling-efficiency baseline."""
     model = make_model(*shape)
@@ -136,6 +192,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
         "torch FSDP2 (fully_shard per block)": torch_fsdp2_variant(shape, x),
     }
     variants |= {f"trainkit {name}": trainkit_variant(name, {}, env, shape, x) for name in TRAINKIT}
+    microbatches = 2 if args.smoke else 4
+    for schedule, label in (("gpipe", "GPipe"), ("1f1b", "1F1B")):  # one pipeline of 2 stages: the same batch
+        variants[f"trainkit pipeline {label}"] = trainkit_pipeline_variant(schedule, env, shape, x, microbatches)
+        variants[f"torch pipelining {label}"] = torch_pipelining_variant(schedule, rank, shape, x, microbatches)
     times: dict[str, list[float]] = {name: [] for name in [*variants, "1 rank, its share"]}
     local = local_variant(shape, x) if rank == 0 else None
     for step in variants.values():  # warm-up
@@ -183,7 +243,8 @@ def main() -> None:
     print(f"2 ranks, gloo, 1 thread each, MLP {model} per rank, AdamW; median of {args.rounds} rounds "
           f"x {args.steps} steps")
     width = max(len(n) for n in medians) + 2
-    for name in ("torch DDP", "torch ZeRO (ZeroRedundancyOptimizer+DDP)", "torch FSDP2 (fully_shard per block)"):
+    for name in ("torch DDP", "torch ZeRO (ZeroRedundancyOptimizer+DDP)", "torch FSDP2 (fully_shard per block)",
+                 "torch pipelining GPipe", "torch pipelining 1F1B"):
         print(f"{name:<{width}}{medians[name] * 1e3:>9.1f} ms")
     for name, ref, second in REPORT:
         line = f"{name:<{width}}{medians[name] * 1e3:>9.1f} ms   {medians[name] / medians[ref]:.3f}x {ref}"
