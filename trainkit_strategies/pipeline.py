@@ -75,6 +75,70 @@ def _split(batch: Any, parts: int) -> list[Any]:
     return [batch] * parts
 
 
+def _signature(batch: Any) -> tuple:
+    """The shapes and dtypes of a micro-batch's tensors: what fixes the shapes a stage produces."""
+    if isinstance(batch, Tensor):
+        return (tuple(batch.shape), batch.dtype)
+    if isinstance(batch, Mapping):
+        return tuple((k, _signature(v)) for k, v in batch.items())
+    if isinstance(batch, list | tuple):
+        return tuple(_signature(v) for v in batch)
+    return ()
+
+
+class _Channel:
+    """One direction between neighbouring stages.
+
+    The first time a micro-batch of a given input signature crosses, a header (shape, dtype) precedes
+    the payload; from then on both sides know the shape, so only the payload travels and the receiver
+    can post the next receive before it is needed (overlapping the transfer with compute).
+    """
+
+    def __init__(self, comm: Comm, peer: int, device: torch.device) -> None:
+        self.comm, self.peer, self.device = comm, peer, device
+        self.shapes: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}
+        self.posted: dict[int, tuple[Handle, Tensor]] = {}
+
+    def send(self, tensor: Tensor, key: tuple) -> list[Handle]:
+        meta = (tuple(tensor.shape), tensor.dtype)
+        known = self.shapes.get(key)
+        handles = []
+        if known is None:
+            self.shapes[key] = meta
+            header = torch.zeros(_HEADER, dtype=torch.int64)
+            header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+            header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
+            handles.append(self.comm.send(header.to(self.device), self.peer))
+        elif known != meta:
+            raise RuntimeError(
+                f"pipeline: a stage produced {meta} for a micro-batch whose input shapes produced {known} before; "
+                "stage outputs must be determined by the input shapes."
+            )
+        handles.append(self.comm.send(tensor.detach().contiguous(), self.peer))
+        return handles
+
+    def post(self, key: tuple, slot: int) -> None:
+        """Start receiving ``slot`` now if its shape is known."""
+        known = self.shapes.get(key)
+        if known is not None and slot not in self.posted:
+            buffer = torch.empty(known[0], dtype=known[1], device=self.device)
+            self.posted[slot] = (self.comm.recv(buffer, self.peer), buffer)
+
+    def recv(self, key: tuple, slot: int) -> Tensor:
+        if slot in self.posted:
+            handle, buffer = self.posted.pop(slot)
+            handle.wait()
+            return buffer
+        if key not in self.shapes:
+            header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+            self.comm.recv(header, self.peer).wait()
+            self.shapes[key] = (tuple(header[2 : 2 + int(header[0])].tolist()), _DTYPES[int(header[1])])
+        shape, dtype = self.shapes[key]
+        buffer = torch.empty(shape, dtype=dtype, device=self.device)
+        self.comm.recv(buffer, self.peer).wait()
+        return buffer
+
+
 def _missing_hooks(module: nn.Module) -> list[str]:
     return [name for name in ("pipeline_layers", "pipeline_loss") if not callable(getattr(module, name, None))]
 
@@ -109,11 +173,12 @@ class PipelineStrategy(Strategy, RunsSchedule):
         self.stages, self.microbatches, self.schedule = stages, microbatches, schedule
         self.split, self.data_parallel, self.bucket_mb = split, data_parallel, bucket_mb
         self.measure_activations = measure_activations
-        self.inner: Strategy = get_strategy(data_parallel, bucket_mb=bucket_mb)
+        self.inner: Strategy = get_strategy("single")  # replaced by ``data_parallel`` when there are replicas
         self.activation_peak = {"micro_batches": 0, "bytes": 0}
         self._tied: list[tuple[nn.Parameter, Comm, bool]] = []  # (param, comm of its stages, counted in norms)
         self._to_global: dict[str, str] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self._loss_broadcasts: list[Handle] = []
 
     # -- topology ------------------------------------------------------------------------------------
     def setup_environment(self, env: Environment, comm: Comm | None = None) -> None:
@@ -129,6 +194,8 @@ class PipelineStrategy(Strategy, RunsSchedule):
         self.pipe = pipes[self.replica]
         inner_env = Environment(env.device, self.replica, self.replica, self.replicas, env.master_addr,
                                 env.master_port, env.timeout_s)
+        if self.replicas > 1:
+            self.inner = get_strategy(self.data_parallel, bucket_mb=self.bucket_mb)
         self.inner.setup_environment(inner_env, comm=dp[self.stage])
 
     @property
@@ -174,7 +241,7 @@ class PipelineStrategy(Strategy, RunsSchedule):
             groups = [self.comm.subgroup([d * self.stages + s for s in holders]) for d in range(self.replicas)]
             if self.stage in holders:
                 self._tied.append((p, groups[self.replica], self.stage == holders[0]))
-        if self._tied and self.data_parallel == "zero1":
+        if self._tied and self.replicas > 1 and self.data_parallel == "zero1":
             raise ValueError("pipeline: parameters shared across stages (e.g. a tied embedding and LM head) need "
                              "data_parallel='ddp'; zero1 shards their gradients before they can be summed.")
         with torch.no_grad():
@@ -191,6 +258,11 @@ class PipelineStrategy(Strategy, RunsSchedule):
                 group["params"] = [p for p in group["params"] if p in kept]
         self.inner.setup(self._stage, optimizer, precision)
         self._actions = SCHEDULES[self.schedule](self.stages, self.microbatches)[self.stage]
+        prev, nxt = self.stage - 1, self.stage + 1
+        self._from_prev = _Channel(self.pipe, prev, self.device) if self.stage else None
+        self._to_next = _Channel(self.pipe, nxt, self.device) if not self.last else None
+        self._grads_from_next = _Channel(self.pipe, nxt, self.device) if not self.last else None
+        self._grads_to_prev = _Channel(self.pipe, prev, self.device) if self.stage else None
 
     def _split(self, sizes: list[int]) -> list[int]:
         if self.split is None:
@@ -201,21 +273,6 @@ class PipelineStrategy(Strategy, RunsSchedule):
         return list(self.split)
 
     # -- the schedule --------------------------------------------------------------------------------
-    def _send(self, tensor: Tensor, dst: int) -> list[Handle]:
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
-        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
-        payload = tensor.detach().contiguous()
-        return [self.pipe.send(header.to(self.device), dst), self.pipe.send(payload, dst)]
-
-    def _recv(self, src: int) -> Tensor:
-        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        self.pipe.recv(header, src).wait()
-        shape = tuple(header[2 : 2 + int(header[0])].tolist())
-        payload = torch.empty(shape, dtype=_DTYPES[int(header[1])], device=self.device)
-        self.pipe.recv(payload, src).wait()
-        return payload
-
     def _chunks(self, batch: Any) -> list[Any]:
         size = _first_tensor(batch).shape[0]
         if size < self.microbatches:
@@ -242,7 +299,12 @@ class PipelineStrategy(Strategy, RunsSchedule):
 
     def run_schedule(self, module: nn.Module, batch: Any, weight: float) -> tuple[Tensor, Tensor | float]:
         chunks = self._chunks(batch)
-        prev, nxt = self.stage - 1, self.stage + 1
+        keys = [_signature(c) for c in chunks]
+        last_mb = len(chunks) - 1
+        if self._from_prev is not None:
+            self._from_prev.post(keys[0], 0)
+        if self._grads_from_next is not None:
+            self._grads_from_next.post(keys[0], 0)
         inputs: dict[int, Tensor] = {}
         outputs: dict[int, Tensor] = {}
         grads: dict[int, Tensor] = {}
@@ -254,7 +316,9 @@ class PipelineStrategy(Strategy, RunsSchedule):
         with self.inner.no_sync():
             for kind, mb in self._actions:
                 if kind == "RECV_F":
-                    inputs[mb] = self._recv(prev).requires_grad_(True)
+                    inputs[mb] = self._from_prev.recv(keys[mb], mb).requires_grad_(True)  # type: ignore[union-attr]
+                    if mb < last_mb:
+                        self._from_prev.post(keys[mb + 1], mb + 1)  # type: ignore[union-attr]
                 elif kind == "F":
                     x = inputs[mb] if self.stage else self._input(module, chunks[mb])
                     meter = ActivationMeter(self._stage.parameters()) if self.measure_activations else None
@@ -270,21 +334,25 @@ class PipelineStrategy(Strategy, RunsSchedule):
                     live, live_bytes = live + 1, live_bytes + held[mb]
                     peak, peak_bytes = max(peak, live), max(peak_bytes, live_bytes)
                 elif kind == "SEND_F":
-                    sends += self._send(outputs[mb], nxt)
+                    sends += self._to_next.send(outputs[mb], keys[mb])  # type: ignore[union-attr]
                 elif kind == "RECV_B":
-                    grads[mb] = self._recv(nxt)
+                    grads[mb] = self._grads_from_next.recv(keys[mb], mb)  # type: ignore[union-attr]
+                    if mb < last_mb:  # backwards run in micro-batch order in both schedules
+                        self._grads_from_next.post(keys[mb + 1], mb + 1)  # type: ignore[union-attr]
                 elif kind == "B":
                     out = outputs.pop(mb)
                     out.backward(grads.pop(mb, None))
                     live, live_bytes = live - 1, live_bytes - held.pop(mb)
                 else:  # SEND_B
-                    sends += self._send(inputs.pop(mb).grad, prev)
+                    sends += self._grads_to_prev.send(inputs.pop(mb).grad, keys[mb])  # type: ignore[union-attr]
         for handle in sends:
             handle.wait()
         self.activation_peak = {"micro_batches": peak, "bytes": peak_bytes}
-        stats = torch.stack([loss_sum, torch.as_tensor(items, dtype=torch.float64, device=self.device)])
-        self.pipe.broadcast(stats, src=self.stages - 1)
-        return (stats[0] / stats[1].clamp(min=1)).float(), items
+        # the batch's mean loss for progress bars and loggers on every stage; the broadcast completes in
+        # the background and is waited for at the step boundary, before anyone reads it
+        mean = (loss_sum / max(float(items), 1.0)).float().reshape(1) if self.last else torch.empty(1, device=self.device)
+        self._loss_broadcasts.append(self.pipe.broadcast(mean, src=self.stages - 1, async_op=True))
+        return mean[0], items
 
     def eval_schedule(self, module: nn.Module, batch: Any, batch_idx: int) -> dict[str, Tensor] | None:
         step = getattr(module, "pipeline_validation_step", None)
@@ -294,10 +362,11 @@ class PipelineStrategy(Strategy, RunsSchedule):
         sends: list[Handle] = []
         with torch.no_grad(), self.precision.forward_context(self.device):
             for mb, chunk in enumerate(chunks):
-                x = self._recv(self.stage - 1) if self.stage else self._input(module, chunk)
+                key = ("eval", _signature(chunk))
+                x = self._from_prev.recv(key, -1) if self._from_prev is not None else self._input(module, chunk)
                 out = self._stage(x)
-                if not self.last:
-                    sends += self._send(out, self.stage + 1)
+                if self._to_next is not None:
+                    sends += self._to_next.send(out, key)
                 elif callable(step):
                     n = _first_tensor(chunk).shape[0]
                     for name, value in step(out, chunk, batch_idx * self.microbatches + mb).items():
@@ -312,6 +381,9 @@ class PipelineStrategy(Strategy, RunsSchedule):
 
     # -- gradients and step --------------------------------------------------------------------------
     def reduce_gradients(self, scale: float | Tensor) -> None:
+        for handle in self._loss_broadcasts:
+            handle.wait()
+        self._loss_broadcasts.clear()
         for p, comm, _ in self._tied:  # a shared parameter's gradient is the sum over its stages' uses
             if p.grad is not None:
                 comm.all_reduce(p.grad)
@@ -321,7 +393,7 @@ class PipelineStrategy(Strategy, RunsSchedule):
         return self.inner.gradients()
 
     def grad_norm(self, norm_type: float = 2.0) -> Tensor:
-        if self.data_parallel == "zero1":
+        if self.replicas > 1 and self.data_parallel == "zero1":
             local = self.inner.grad_norm(norm_type)
         else:  # whole gradients, replicated across replicas; a shared parameter counts once
             skip = {id(p) for p, _, counted in self._tied if not counted}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from trainkit_strategies.base import Environment, Strategy
+from trainkit_strategies.comm import Comm
 
 
 class SingleStrategy(Strategy):
@@ -10,10 +11,10 @@ class SingleStrategy(Strategy):
 
     name = "single"
 
-    def setup_environment(self, env: Environment) -> None:
+    def setup_environment(self, env: Environment, comm: Comm | None = None) -> None:
         if env.world_size != 1:
             raise ValueError(
                 f"Strategy 'single' runs one process, but this run has world_size={env.world_size}. "
                 "Use --trainer.strategy ddp (or another distributed strategy) for several processes."
             )
-        super().setup_environment(env)
+        super().setup_environment(env, comm)
