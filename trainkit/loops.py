@@ -116,6 +116,8 @@ class FitLoop:
         from trainkit.module import TrainModule
 
         module = self.trainer.module
+        if isinstance(self.trainer.strategy, RunsSchedule):
+            return callable(getattr(module, "pipeline_validation_step", None))
         return type(module).validation_step is not TrainModule.validation_step
 
     def run_epoch(self) -> None:
@@ -182,7 +184,7 @@ class FitLoop:
             fn()
         self._window_count = self._window_count + items
         t._last_loss = loss
-        t._results.log("train_loss", loss, False, True, True, False, "mean", False, None)  # no training_step ran
+        t._results.log("train_loss", loss, True, True, True, False, "mean", False, None)  # no training_step ran
         self._window += 1
         return {"loss": loss, "num_items": items}
 

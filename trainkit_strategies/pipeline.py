@@ -148,7 +148,8 @@ class PipelineStrategy(Strategy, RunsSchedule):
 
     Args:
         stages: pipeline depth (default: every rank a stage). The world size must be a multiple of it.
-        microbatches: pieces each batch is cut into (its size must divide evenly, or the last is smaller).
+        microbatches: pieces each batch is cut into along its first dimension (``tensor_split``: sizes
+            differ by at most one); a batch with fewer samples runs with one micro-batch per sample.
         schedule: "1f1b" (bounded activation memory) or "gpipe".
         split: layers per stage, e.g. ``[3, 5]``; default: balanced by parameter count.
         data_parallel: strategy reducing each stage's gradients across replicas: "ddp" or "zero1".
@@ -178,7 +179,7 @@ class PipelineStrategy(Strategy, RunsSchedule):
         self._tied: list[tuple[nn.Parameter, Comm, bool]] = []  # (param, comm of its stages, counted in norms)
         self._to_global: dict[str, str] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
-        self._loss_broadcasts: list[Handle] = []
+        self._actions: dict[int, list] = {}  # micro-batch count -> this stage's schedule
 
     # -- topology ------------------------------------------------------------------------------------
     def setup_environment(self, env: Environment, comm: Comm | None = None) -> None:
@@ -232,6 +233,13 @@ class PipelineStrategy(Strategy, RunsSchedule):
             for layer in layers[bounds[s] : bounds[s + 1]]:
                 for p in layer.parameters():
                     stage_of.setdefault(p, set()).add(s)
+        outside = [n for p, n in names.items() if p not in stage_of]
+        if outside:
+            raise ValueError(
+                f"pipeline: parameters outside every layer of pipeline_layers() would never train: "
+                f"{', '.join(outside[:5])}{' ...' if len(outside) > 5 else ''}. Include the modules holding them "
+                "in pipeline_layers(), or freeze them (requires_grad=False) and keep them out of the optimizer."
+            )
         mine = [p for p, stages in stage_of.items() if self.stage in stages]
         self._tied = []
         for p in names:  # every rank creates every group, in one order
@@ -240,7 +248,9 @@ class PipelineStrategy(Strategy, RunsSchedule):
                 continue
             groups = [self.comm.subgroup([d * self.stages + s for s in holders]) for d in range(self.replicas)]
             if self.stage in holders:
-                self._tied.append((p, groups[self.replica], self.stage == holders[0]))
+                group = groups[self.replica]
+                group.broadcast(p.data, src=0)  # start equal: the first stage holding it decides
+                self._tied.append((p, group, self.stage == holders[0]))
         if self._tied and self.replicas > 1 and self.data_parallel == "zero1":
             raise ValueError("pipeline: parameters shared across stages (e.g. a tied embedding and LM head) need "
                              "data_parallel='ddp'; zero1 shards their gradients before they can be summed.")
@@ -257,7 +267,7 @@ class PipelineStrategy(Strategy, RunsSchedule):
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if p in kept]
         self.inner.setup(self._stage, optimizer, precision)
-        self._actions = SCHEDULES[self.schedule](self.stages, self.microbatches)[self.stage]
+        self._actions = {}
         prev, nxt = self.stage - 1, self.stage + 1
         self._from_prev = _Channel(self.pipe, prev, self.device) if self.stage else None
         self._to_next = _Channel(self.pipe, nxt, self.device) if not self.last else None
@@ -274,11 +284,13 @@ class PipelineStrategy(Strategy, RunsSchedule):
 
     # -- the schedule --------------------------------------------------------------------------------
     def _chunks(self, batch: Any) -> list[Any]:
-        size = _first_tensor(batch).shape[0]
-        if size < self.microbatches:
-            raise ValueError(f"pipeline: a batch of {size} samples cannot be cut into {self.microbatches} "
-                             "micro-batches; lower --trainer.strategy.microbatches or raise the batch size.")
-        return _split(batch, self.microbatches)
+        """The batch in ``microbatches`` pieces (fewer for a batch with fewer samples, e.g. an epoch's last)."""
+        return _split(batch, min(self.microbatches, _first_tensor(batch).shape[0]))
+
+    def _schedule_for(self, microbatches: int) -> list:
+        if microbatches not in self._actions:
+            self._actions[microbatches] = SCHEDULES[self.schedule](self.stages, microbatches)[self.stage]
+        return self._actions[microbatches]
 
     def _input(self, module: nn.Module, chunk: Any) -> Any:
         hook = getattr(module, "pipeline_input", None)
@@ -301,6 +313,10 @@ class PipelineStrategy(Strategy, RunsSchedule):
         chunks = self._chunks(batch)
         keys = [_signature(c) for c in chunks]
         last_mb = len(chunks) - 1
+        # the batch's mean loss, for progress bars and loggers on every stage: posted now, sent by the
+        # last stage as soon as its last forward is done, complete by the time this returns
+        mean = torch.empty(1, device=self.device)
+        broadcast = None if self.last else self.pipe.broadcast(mean, src=self.stages - 1, async_op=True)
         if self._from_prev is not None:
             self._from_prev.post(keys[0], 0)
         if self._grads_from_next is not None:
@@ -314,7 +330,7 @@ class PipelineStrategy(Strategy, RunsSchedule):
         items: Tensor | float = 0.0
         live = peak = peak_bytes = live_bytes = 0
         with self.inner.no_sync():
-            for kind, mb in self._actions:
+            for kind, mb in self._schedule_for(len(chunks)):
                 if kind == "RECV_F":
                     inputs[mb] = self._from_prev.recv(keys[mb], mb).requires_grad_(True)  # type: ignore[union-attr]
                     if mb < last_mb:
@@ -329,6 +345,9 @@ class PipelineStrategy(Strategy, RunsSchedule):
                             loss_sum += loss.detach().double() * n
                             items = items + n
                             out = loss * (n * weight)
+                            if mb == last_mb:
+                                mean.copy_((loss_sum / max(float(items), 1.0)).float().reshape(1))
+                                broadcast = self.pipe.broadcast(mean, src=self.stages - 1, async_op=True)
                     outputs[mb] = out
                     held[mb] = meter.bytes if meter else 0
                     live, live_bytes = live + 1, live_bytes + held[mb]
@@ -348,10 +367,8 @@ class PipelineStrategy(Strategy, RunsSchedule):
         for handle in sends:
             handle.wait()
         self.activation_peak = {"micro_batches": peak, "bytes": peak_bytes}
-        # the batch's mean loss for progress bars and loggers on every stage; the broadcast completes in
-        # the background and is waited for at the step boundary, before anyone reads it
-        mean = (loss_sum / max(float(items), 1.0)).float().reshape(1) if self.last else torch.empty(1, device=self.device)
-        self._loss_broadcasts.append(self.pipe.broadcast(mean, src=self.stages - 1, async_op=True))
+        assert broadcast is not None
+        broadcast.wait()
         return mean[0], items
 
     def eval_schedule(self, module: nn.Module, batch: Any, batch_idx: int) -> dict[str, Tensor] | None:
@@ -381,9 +398,6 @@ class PipelineStrategy(Strategy, RunsSchedule):
 
     # -- gradients and step --------------------------------------------------------------------------
     def reduce_gradients(self, scale: float | Tensor) -> None:
-        for handle in self._loss_broadcasts:
-            handle.wait()
-        self._loss_broadcasts.clear()
         for p, comm, _ in self._tied:  # a shared parameter's gradient is the sum over its stages' uses
             if p.grad is not None:
                 comm.all_reduce(p.grad)

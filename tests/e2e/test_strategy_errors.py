@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from tests.helpers import RoutedRegression, loader, quiet_trainer, regression_data
+from tests.helpers import Regression, RoutedRegression, loader, quiet_trainer, regression_data
 from trainkit.callbacks import Callback
 from trainkit_strategies import Environment, get_strategy
 from trainkit_strategies.ddp import DDPStrategy
@@ -32,7 +33,7 @@ def test_find_unused_parameters_keeps_unused_grads_none(tmp_path):
 @pytest.mark.parametrize(
     ("name", "options", "message"),
     [
-        ("zero3x", {}, "Unknown strategy 'zero3x'. Valid strategies: ddp, single, zero1"),
+        ("zero3x", {}, "Unknown strategy 'zero3x'. Valid strategies: ddp, fsdp, pipeline, single, zero1"),
         ("ddp", {"bucket_mb": 0}, "ddp bucket_mb must be positive; got 0"),
         ("zero2", {"bucket_mb": -1}, "zero2 bucket_mb must be positive; got -1"),
         ("zero_offload", {"ratio": 1.5}, r"zero_offload ratio must be in \[0, 1\]; got 1.5"),
@@ -46,3 +47,27 @@ def test_bad_strategy_options(name, options, message):
 def test_single_refuses_several_processes():
     with pytest.raises(ValueError, match=r"world_size=2.*--trainer\.strategy ddp"):
         get_strategy("single").setup_environment(Environment(world_size=2))
+
+
+def test_pipeline_refuses_a_module_without_pipeline_hooks(tmp_path):
+    class Plain(Regression):
+        pipeline_layers = None
+
+    with pytest.raises(TypeError, match=r"needs Plain to define pipeline_layers.*docs/strategies\.md"):
+        quiet_trainer(tmp_path, strategy="pipeline", max_steps=1).fit(Plain(), loader(regression_data(8), 4))
+
+
+def test_pipeline_refuses_parameters_outside_its_layers(tmp_path):
+    class Stray(Regression):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(1))
+
+    with pytest.raises(ValueError, match=r"parameters outside every layer of pipeline_layers.*scale"):
+        quiet_trainer(tmp_path, strategy="pipeline", max_steps=1).fit(Stray(), loader(regression_data(8), 4))
+
+
+def test_pipeline_runs_a_batch_smaller_than_its_micro_batch_count(tmp_path):
+    trainer = quiet_trainer(tmp_path, strategy=get_strategy("pipeline", microbatches=4), max_epochs=1)
+    trainer.fit(Regression(), loader(regression_data(11), 4))  # batches of 4, 4 and 3 samples
+    assert trainer.global_step == 3

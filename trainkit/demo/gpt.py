@@ -204,7 +204,7 @@ class DemoGPT(TrainModule):
         return {"loss": loss, "num_items": batch[1].numel()}
 
     def pipeline_validation_step(self, logits: Tensor, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict:
-        return self._eval_metrics(logits, batch[1], "val")
+        return self._eval_metrics(logits, batch[1], "test" if self.trainer.state == "test" else "val")
 
     def configure_optimizers(self) -> dict:
         decay = [p for n, p in self.named_parameters() if p.dim() >= 2 and "wte" not in n and "wpe" not in n]
