@@ -73,6 +73,17 @@ def trainkit_variant(name: str, options: dict, env: Environment, shape: tuple[in
     return step
 
 
+def plain_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> Step:
+    """The step of the torch-native variants: forward, MSE, backward, AdamW, zero grads."""
+
+    def step() -> None:
+        F.mse_loss(model(x), x).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
 def torch_ddp_variant(shape: tuple[int, int, int], x: torch.Tensor, zero: bool = False) -> Step:
     """torch's DistributedDataParallel, with ZeroRedundancyOptimizer when ``zero``."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -83,13 +94,7 @@ def torch_ddp_variant(shape: tuple[int, int, int], x: torch.Tensor, zero: bool =
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step() -> None:
-        F.mse_loss(model(x), x).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
+    return plain_step(model, opt, x)
 
 
 def torch_fsdp2_variant(shape: tuple[int, int, int], x: torch.Tensor) -> Step:
@@ -100,14 +105,7 @@ def torch_fsdp2_variant(shape: tuple[int, int, int], x: torch.Tensor) -> Step:
     for block in model:
         fully_shard(block)
     fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step() -> None:
-        F.mse_loss(model(x), x).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
+    return plain_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4), x)
 
 
 class PipelinedMLP(nn.Module):
@@ -167,14 +165,7 @@ def torch_pipelining_variant(schedule: str, rank: int, shape: tuple[int, int, in
 def local_variant(shape: tuple[int, int, int], x: torch.Tensor) -> Step:
     """One rank on its share with no communication: the scaling-efficiency baseline."""
     model = make_model(*shape)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step() -> None:
-        F.mse_loss(model(x), x).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
+    return plain_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4), x)
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:

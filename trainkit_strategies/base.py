@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -96,6 +96,7 @@ class Strategy(ABC):
         self.optimizer: Optimizer | None = None
         self.precision = Precision.from_name("32")
         self._group_names: list[list[str]] = []
+        self._syncing = True
 
     # -- environment -------------------------------------------------------------------------------
     def setup_environment(self, env: Environment, comm: Comm | None = None) -> None:
@@ -151,9 +152,15 @@ class Strategy(ABC):
     def backward(self, loss: Tensor) -> None:
         loss.backward()
 
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        """Context for accumulation micro-steps: skip gradient communication the algorithm can defer."""
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Context for accumulation micro-steps: ``self._syncing`` is False inside, and a strategy skips
+        the gradient communication its algorithm can defer to the window's last backward."""
+        previous, self._syncing = self._syncing, False
+        try:
+            yield
+        finally:
+            self._syncing = previous
 
     def reduce_gradients(self, scale: float | Tensor) -> None:
         """Finish this window's gradient reduction (sum over ranks) and multiply the result by ``scale``.

@@ -14,8 +14,6 @@ last backward.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -67,7 +65,6 @@ class DDPStrategy(Strategy):
         self._buckets: list[_Bucket] = []
         self._slots: dict[nn.Parameter, _Slot] = {}
         self._names: dict[nn.Parameter, str] = {}
-        self._syncing = True
         self._launcher = OrderedLauncher([], self._launch)
         self._views_detached = False
 
@@ -102,14 +99,6 @@ class DDPStrategy(Strategy):
         self._launcher = OrderedLauncher([len(g) for g in groups], self._launch)
 
     # -- backward and reduction ----------------------------------------------------------------------
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        previous, self._syncing = self._syncing, False
-        try:
-            yield
-        finally:
-            self._syncing = previous
-
     def backward(self, loss: Tensor) -> None:
         if self._syncing:
             self._launcher.reset()

@@ -12,8 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
+from trainkit_strategies.comm import Comm, Handle
 from trainkit_strategies.state import Segment
 
 ALIGN = 16  # elements: pieces start on 64-byte boundaries for fp32 (32 for bf16)
@@ -121,3 +123,44 @@ class OrderedLauncher:
         for bucket in range(len(self.counts)):
             self._fire(bucket)
         self.next = len(self.counts)
+
+
+class BucketReducer:
+    """Reduce-scatters gradient buckets into shards, through one reusable bucket buffer.
+
+    ``fill`` moves a complete bucket's gradients out of ``.grad`` (freeing them) into the buffer; the
+    buffer is reused bucket after bucket, so the previous reduce-scatter, which ran while backward
+    produced this bucket, is finished first (ZeRO §5.2, "constant buffer"). ``reduce`` writes straight
+    into the shard, or, on an accumulation micro-step after the first, beside it and adds at ``finish``.
+    """
+
+    def __init__(self, comm: Comm, dtype: torch.dtype, device: torch.device, size: int) -> None:
+        self.comm, self.dtype, self.device, self.size = comm, dtype, device, size
+        self.buffer: Tensor | None = None
+        self.pending: list[tuple[Handle, Tensor | None, Tensor]] = []
+
+    def fill(self, unit: FlatUnit) -> Tensor:
+        self.finish()
+        if self.buffer is None:
+            self.buffer = torch.empty(self.size, dtype=self.dtype, device=self.device)
+        source = self.buffer[: unit.padded]
+        for p, view in zip(unit.params, unit.param_views(source), strict=True):
+            if p.grad is None:  # not used in this backward on this rank
+                view.zero_()
+            else:
+                view.copy_(p.grad)
+                p.grad = None
+        source[unit.numel :].zero_()
+        return source
+
+    def reduce(self, source: Tensor, shard: Tensor, accumulate: bool) -> None:
+        out = torch.empty_like(shard) if accumulate else shard
+        handle = self.comm.reduce_scatter(out, source, async_op=True)
+        self.pending.append((handle, out if accumulate else None, shard))
+
+    def finish(self) -> None:
+        for handle, reduced, shard in self.pending:
+            handle.wait()
+            if reduced is not None:
+                shard.add_(reduced)
+        self.pending.clear()

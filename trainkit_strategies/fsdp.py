@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 from torch import nn
 
 from trainkit_strategies.sharded import ShardedStrategy
@@ -86,14 +83,3 @@ class FSDPStrategy(ShardedStrategy):
 
         visit(module)
         return out
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        if self.sync_micro_steps:
-            yield
-            return
-        previous, self._syncing = self._syncing, False
-        try:
-            yield
-        finally:
-            self._syncing = previous

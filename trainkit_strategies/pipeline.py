@@ -20,7 +20,7 @@ embedding and LM head) are kept in sync by summing their gradients across those 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -304,10 +304,6 @@ class PipelineStrategy(Strategy, RunsSchedule):
         if isinstance(loss, Mapping):
             return loss["loss"], loss.get("num_items", _first_tensor(chunk).shape[0])
         return loss, _first_tensor(chunk).shape[0]
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        yield  # the schedule keeps the inner strategy quiet until reduce_gradients anyway
 
     def run_schedule(self, module: nn.Module, batch: Any, weight: float) -> tuple[Tensor, Tensor | float]:
         chunks = self._chunks(batch)

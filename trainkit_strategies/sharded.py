@@ -42,7 +42,7 @@ from torch.optim import Optimizer
 from trainkit_strategies import state as st
 from trainkit_strategies.base import ShardedInit, Strategy
 from trainkit_strategies.comm import Handle
-from trainkit_strategies.flat import FlatUnit, OrderedLauncher
+from trainkit_strategies.flat import BucketReducer, FlatUnit, OrderedLauncher
 from trainkit_strategies.master import DeferredGradScale, MasterShards
 from trainkit_strategies.memory import MemoryReport
 from trainkit_strategies.precision import Precision
@@ -103,10 +103,9 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         self._grad: dict[int, Tensor] = {}  # flat index -> gradient shard (reduce dtype)
         self._grad_flats: list[Tensor] = []
         self._launcher = OrderedLauncher([], self._launch)
-        self._pending: list[tuple[FlatUnit, Handle, Tensor | None]] = []
-        self._bucket_buffer: Tensor | None = None
+        self._reducer = BucketReducer(self.comm, torch.float32, torch.device("cpu"), 0)
         self._hooks: list = []
-        self._syncing = True
+        self.sync_micro_steps = True  # reduce-scatter on micro-steps too (ZeRO-3); fsdp can turn it off
         self._first_micro_step = True
         self._end_queued = False
         self._order: dict[str, list[int]] = {"forward": [], "backward": []}
@@ -177,6 +176,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         self._flat_of = {p: f for f in self._flats for p in f.params}
         self.comm.broadcast_coalesced([b for b in module.buffers() if not b.is_meta])
         self._launcher = OrderedLauncher([sum(p.requires_grad for p in f.params) for f in self._flats], self._launch)
+        self._reducer = BucketReducer(self.comm, self.grad_dtype, self.device, max(f.padded for f in self._flats))
         if optimizer is not None:
             self._master.retarget(optimizer)
         self._install_hooks()
@@ -393,12 +393,6 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
             self._gather(nxt, async_op=True)
 
     # -- gradients -----------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulation micro-steps reduce-scatter every backward (ZeRO-3's way) unless the subclass
-        overrides this; gradient shards accumulate either way."""
-        yield
-
     def backward(self, loss: Tensor) -> None:
         self._launcher.reset()
         self._end_queued = False
@@ -417,7 +411,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
     def _on_grad(self, param: Tensor) -> None:
         self._queue_end_backward()
         flat = self._flat_of[param]
-        if self._syncing:
+        if self._syncing or self.sync_micro_steps:
             self._launcher.ready(flat.index)
             return
         unit = self._unit_of_flat[flat.index]  # gradients stay whole until the window's last backward,
@@ -427,11 +421,8 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
 
     def _launch(self, index: int) -> None:
         flat = self._flats[index]
-        source = self._fill_bucket_buffer(flat)
-        shard = self._grad_shard(flat)
-        out = shard if self._first_micro_step else torch.empty_like(shard)
-        self._pending.append((flat, self.comm.reduce_scatter(out, source, async_op=True),
-                              None if self._first_micro_step else out))
+        source = self._reducer.fill(flat)
+        self._reducer.reduce(source, self._grad_shard(flat), accumulate=not self._first_micro_step)
         unit = self._unit_of_flat[index]
         unit.reduced_flats += 1
         if unit.reduced_flats == len(unit.flats):  # every gradient of the unit is in: its parameters can go
@@ -450,34 +441,10 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
                 offset += f.piece
         return self._grad[flat.index]
 
-    def _fill_bucket_buffer(self, flat: FlatUnit) -> Tensor:
-        """Copy a unit's gradients into the one reusable reduce-scatter buffer (the previous reduce-scatter,
-        which ran while backward produced these gradients, is finished first)."""
-        self._finish_pending()
-        if self._bucket_buffer is None:
-            size = max(f.padded for f in self._flats)
-            self._bucket_buffer = torch.empty(size, dtype=self.grad_dtype, device=self.device)
-        source = self._bucket_buffer[: flat.padded]
-        for p, view in zip(flat.params, flat.param_views(source), strict=True):
-            if p.grad is None:
-                view.zero_()
-            else:
-                view.copy_(p.grad)
-                p.grad = None
-        source[flat.numel :].zero_()
-        return source
-
-    def _finish_pending(self) -> None:
-        for flat, handle, add_from in self._pending:
-            handle.wait()
-            if add_from is not None:
-                self._grad[flat.index].add_(add_from)
-        self._pending.clear()
-
     def _end_backward(self) -> None:
-        if self._syncing:
+        if self._syncing or self.sync_micro_steps:
             self._launcher.flush()
-            self._finish_pending()
+            self._reducer.finish()
             self._first_micro_step = False
         for unit in self.units:
             self._reshard(unit)
@@ -486,7 +453,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
 
     def reduce_gradients(self, scale: float | Tensor) -> None:
         self._launcher.flush()  # a window whose last backward ran under no_sync
-        self._finish_pending()
+        self._reducer.finish()
         self._launcher.reset()
         self._first_micro_step = True
         self._scale_local_grads(scale)
@@ -549,8 +516,8 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         split = self._master.split(self.optimizer)
         gathered = [t for t in self._full.values() if t.untyped_storage().nbytes()]
         grads = list(self._grad_flats) + [p.grad for p in self._flat_of if p.grad is not None]
-        if self._bucket_buffer is not None:
-            grads.append(self._bucket_buffer)
+        if self._reducer.buffer is not None:
+            grads.append(self._reducer.buffer)
         return MemoryReport.of(
             {
                 "params": list(self._shard.values()) + gathered,

@@ -24,8 +24,6 @@ come back. ``ratio`` keeps the first ``1 - ratio`` of each group's shard (by buc
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -36,8 +34,7 @@ from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
 from trainkit_strategies.base import Strategy
-from trainkit_strategies.comm import Handle
-from trainkit_strategies.flat import FlatUnit, OrderedLauncher, pack
+from trainkit_strategies.flat import BucketReducer, FlatUnit, OrderedLauncher, pack
 from trainkit_strategies.master import DeferredGradScale, MasterShards
 from trainkit_strategies.memory import MemoryReport
 from trainkit_strategies.precision import Precision
@@ -83,9 +80,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         self._units: list[FlatUnit] = []  # every bucket, in launch order
         self._unit_of: dict[Tensor, tuple[FlatUnit, int]] = {}
         self._launcher = OrderedLauncher([], self._launch)
-        self._pending: list[tuple[FlatUnit, Handle, Tensor | None]] = []
-        self._bucket_buffer: Tensor | None = None
-        self._syncing = True
+        self._reducer = BucketReducer(self.comm, torch.float32, torch.device("cpu"), 0)
         self._first_micro_step = True
         self._callback_queued = False
         self._hooks: list = []
@@ -120,6 +115,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
                         for g in range(len(optimizer.param_groups))]
         self._unit_of = {p: (u, i) for u in self._units for i, p in enumerate(u.params)}
         self._launcher = OrderedLauncher([len(u.params) for u in self._units], self._launch)
+        self._reducer = BucketReducer(self.comm, self.compute_dtype, self.device, max(u.padded for u in self._units))
         self._master.retarget(optimizer)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._unit_of]
 
@@ -148,17 +144,8 @@ class ZeroStrategy(DeferredGradScale, Strategy):
             group.grad = torch.zeros(sum(u.piece for u in units), dtype=self.compute_dtype, device=self.device)
         return group
 
-    # -- backward ------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Stage 1 defers its reduce-scatter to the window's last backward; stage 2 reduces every
-        micro-step (its gradient partition is what accumulates)."""
-        previous, self._syncing = self._syncing, False
-        try:
-            yield
-        finally:
-            self._syncing = previous
-
+    # -- backward: stage 1 reduces at the window's last backward (no_sync defers it); stage 2 reduces
+    # every micro-step, since its gradient partition is what accumulates ----------------------------
     def backward(self, loss: Tensor) -> None:
         self._launcher.reset()
         self._callback_queued = False
@@ -183,52 +170,22 @@ class ZeroStrategy(DeferredGradScale, Strategy):
     def _launch(self, index: int) -> None:
         unit = self._units[index]
         group = self._groups[unit.group]
-        out, add_from = group.grad_piece(unit, self.rank), None
-        if self.stage == 1:
+        if self.stage == 1:  # in place: the rank's piece of the whole-gradient buffer is its shard
             source = group.full_grad[unit.start : unit.start + unit.padded]  # type: ignore[index]
+            self._reducer.reduce(source, group.grad_piece(unit, self.rank), accumulate=False)
         else:
-            source = self._fill_bucket_buffer(unit)
-            if not self._first_micro_step:  # reduce beside the partition, then accumulate into it
-                out = add_from = torch.empty_like(out)
-        self._pending.append((unit, self.comm.reduce_scatter(out, source, async_op=True), add_from))
-
-    def _fill_bucket_buffer(self, unit: FlatUnit) -> Tensor:
-        """Stage 2: move a complete bucket's gradients into the one reusable bucket buffer.
-
-        The buffer is reused bucket after bucket, so the previous bucket's reduce-scatter must finish
-        first; it ran while backward produced this bucket's gradients. At rest stage 2 holds the
-        gradient partition plus this one buffer (ZeRO paper §5.2, "constant buffer").
-        """
-        self._finish_pending()
-        if self._bucket_buffer is None:
-            size = max(u.padded for u in self._units)
-            self._bucket_buffer = torch.empty(size, dtype=self.compute_dtype, device=self.device)
-        source = self._bucket_buffer[: unit.padded]
-        for p, view in zip(unit.params, unit.param_views(source), strict=True):
-            if p.grad is None:  # not used in this backward on this rank
-                view.zero_()
-            else:
-                view.copy_(p.grad)
-                p.grad = None
-        source[unit.numel :].zero_()
-        return source
-
-    def _finish_pending(self) -> None:
-        for unit, handle, add_from in self._pending:
-            handle.wait()
-            if add_from is not None:
-                self._groups[unit.group].grad_piece(unit, self.rank).add_(add_from)
-        self._pending.clear()
+            source = self._reducer.fill(unit)
+            self._reducer.reduce(source, group.grad_piece(unit, self.rank), accumulate=not self._first_micro_step)
 
     def _end_backward(self) -> None:
         """Stage 2, after every backward: reduce what is left (buckets with unused parameters) and wait."""
         self._launcher.flush()
-        self._finish_pending()
+        self._reducer.finish()
         self._first_micro_step = False
 
     def reduce_gradients(self, scale: float | Tensor) -> None:
         self._launcher.flush()  # stage 1: buckets whose hooks did not all fire; stage 2: nothing left
-        self._finish_pending()
+        self._reducer.finish()
         self._launcher.reset()
         self._first_micro_step = True
         self._scale_local_grads(scale)
@@ -300,8 +257,8 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         assert self.module is not None
         split = self._master.split(self.optimizer)
         grads = [t for g in self._groups for t in (g.grad, g.full_grad) if t is not None]
-        if self._bucket_buffer is not None:
-            grads.append(self._bucket_buffer)
+        if self._reducer.buffer is not None:
+            grads.append(self._reducer.buffer)
         sharded = set(self._unit_of)
         return MemoryReport.of(
             {

@@ -24,11 +24,29 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+def reset_peak() -> None:
+    """Make the kernel's high-water mark (VmHWM) start again from the current RSS (Linux clear_refs 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_bytes() -> int:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
 def main() -> None:
     name, world, rank, model_name, precision = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     options = {"auto_wrap": [Block]} if name == "fsdp" else {"persistence_threshold": 0}
+    # warm up on a tiny model: whatever setup imports lazily is loaded before memory is measured
+    warm = get_strategy(name, **options)
+    warm.setup_environment(Environment(rank=rank, world_size=world))
+    with warm.init_context():
+        tiny = nn.Sequential(*[Block(GPTConfig(n_embd=16, n_head=2)) for _ in range(2)])
+    warm.setup(tiny, torch.optim.AdamW(tiny.parameters(), lr=1e-3), Precision.from_name(precision))
     strategy = get_strategy(name, **options)
     strategy.setup_environment(Environment(rank=rank, world_size=world))
     with strategy.init_context():
@@ -39,8 +57,9 @@ def main() -> None:
     assert all(p.is_meta for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     before = rss_bytes()
+    reset_peak()  # earlier peaks (imports, the warm-up) must not count
     strategy.setup(model, optimizer, Precision.from_name(precision))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    peak = peak_bytes() - before
     psi = sum(f.numel for f in strategy._flats)
     unit = max(sum(f.padded for f in u.flats) for u in strategy.units) * 4
     report = strategy.memory_report()
