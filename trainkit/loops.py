@@ -162,10 +162,13 @@ class FitLoop:
         if math.isinf(val_every) and self._validation_epoch():
             t.eval_loop.run("validate", t.val_dataloaders, t.limit_val_batches)
             t._results.stage = "train"
-        self._log(t._results.epoch_metrics())
-        self._step_scheduler("epoch", self.epoch + 1)  # before the hooks, so epoch-end checkpoints include it
         self.epoch_done = True
-        t._call("on_train_epoch_end")
+        t._results.epoch_end = True  # self.log in the module's epoch-end hook aggregates per epoch
+        t._call_module("on_train_epoch_end")
+        t._results.epoch_end = False
+        self._log(t._results.epoch_metrics())
+        self._step_scheduler("epoch", self.epoch + 1)  # before the callbacks: epoch-end checkpoints include it
+        t._call_callbacks("on_train_epoch_end")
         self._next_epoch()
 
     def _scheduled_step(self, batch: Any, boundary: bool, k: int) -> Any:
@@ -282,7 +285,7 @@ class FitLoop:
         if cfg is None or cfg.scheduler is None or cfg.interval != interval or count % cfg.frequency:
             return
         if isinstance(cfg.scheduler, ReduceLROnPlateau):
-            metrics = self.trainer.callback_metrics
+            metrics = self.trainer._results.local_values(prog_bar_only=False)
             if cfg.monitor not in metrics:
                 raise KeyError(f"ReduceLROnPlateau monitors {cfg.monitor!r}, which was not logged; "
                                f"logged: {sorted(metrics)}.")

@@ -36,8 +36,10 @@ def _scheduler(spec: Any) -> dict[str, Any]:
 
 
 def parse_optimizers(value: Any) -> OptimizerConfig:
-    """Accepts ``opt``, ``(opt, sched)``, ``([opt], [sched])`` or ``{"optimizer", "lr_scheduler"}``."""
+    """Accepts ``opt``, ``[opt]``, ``(opt, sched)``, ``([opt], [sched])`` or ``{"optimizer", "lr_scheduler"}``."""
     sched_spec: dict[str, Any] | None = None
+    if isinstance(value, Sequence) and len(value) == 1 and isinstance(value[0], Optimizer):
+        value = value[0]  # [optimizer]
     if isinstance(value, Optimizer):
         optimizer = value
     elif isinstance(value, Mapping):

@@ -42,6 +42,7 @@ class Results:
         self._reduce = reduce
         self.stage = "train"
         self.batch: Any = None  # the batch being processed: epoch means weight by its size by default
+        self.epoch_end = False  # inside an epoch-end hook: values default to per-epoch
         self._entries: dict[str, dict[str, _Entry]] = {}
 
     @property
@@ -60,7 +61,7 @@ class Results:
         if entry is None:
             if reduce_fx not in _REDUCE_FX:
                 raise ValueError(f"self.log({name!r}): reduce_fx={reduce_fx!r}; choose one of {_REDUCE_FX}.")
-            training = self.stage == "train"
+            training = self.stage == "train" and not self.epoch_end
             entry = entries[name] = _Entry(
                 prog_bar, logger, training if on_step is None else on_step,
                 (not training) if on_epoch is None else on_epoch, reduce_fx, sync_dist,

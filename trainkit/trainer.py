@@ -28,7 +28,7 @@ from trainkit.module import TrainModule
 from trainkit.optim import OptimizerConfig, parse_optimizers
 from trainkit.results import Results
 from trainkit.seed import rng_state, seed_everything, set_rng_state
-from trainkit.utils import jsonable
+from trainkit.utils import jsonable, model_summary
 from trainkit_strategies import DynamicLossScaler, Precision, RunsSchedule, ShardedInit, Strategy
 from trainkit_strategies.comm import PeerError
 from trainkit_strategies.registry import get_strategy
@@ -66,6 +66,9 @@ class Trainer:
         logger: True for TensorBoard under ``<default_root_dir>/runs``, False for none, or loggers.
         enable_checkpointing: add a default ModelCheckpoint when none is given.
         enable_progress_bar: show a progress bar on rank 0.
+        enable_model_summary: print the module's top-level layers and parameter counts when fit starts.
+        use_distributed_sampler: replace a DataLoader's default sampler by trainkit's (sharded by rank,
+            resumable mid-epoch, one global order at any world size); off uses loaders exactly as given.
         default_root_dir: where runs/ and checkpoints/ go.
         timeout_s: seconds a collective waits for a peer before the run fails.
     """
@@ -99,6 +102,8 @@ class Trainer:
         logger: bool | Logger | list[Logger] = True,
         enable_checkpointing: bool = True,
         enable_progress_bar: bool = True,
+        enable_model_summary: bool = True,
+        use_distributed_sampler: bool = True,
         default_root_dir: str | Path = ".",
         timeout_s: float = 1800.0,
     ) -> None:
@@ -138,6 +143,8 @@ class Trainer:
         self.accumulate_grad_batches = accumulate_grad_batches
         self.gradient_clip_val, self.gradient_clip_algorithm = gradient_clip_val, gradient_clip_algorithm
         self.activation_checkpointing = activation_checkpointing
+        self.enable_model_summary = enable_model_summary and not self.fast_dev_run
+        self.use_distributed_sampler = use_distributed_sampler
         self.deterministic, self.seed = deterministic, seed
 
         self.loggers: list[Logger] = self._resolve_loggers(logger)
@@ -214,9 +221,10 @@ class Trainer:
         return self.strategy.optimizer
 
     @property
-    def callback_metrics(self) -> dict[str, float]:
-        """Latest logged values on this rank (epoch aggregates after each epoch/validation)."""
-        return self._results.local_values(prog_bar_only=False)
+    def callback_metrics(self) -> dict[str, torch.Tensor]:
+        """Latest logged values on this rank (epoch aggregates after each epoch/validation), as 0-d
+        tensors like Lightning's."""
+        return {k: torch.tensor(v) for k, v in self._results.local_values(prog_bar_only=False).items()}
 
     @property
     def progress_bar_metrics(self) -> dict[str, float]:
@@ -343,6 +351,8 @@ class Trainer:
                 apply_activation_checkpointing(module, self.activation_checkpointing)
         optimizer = None
         if stage == "fit":
+            if self.enable_model_summary and self.is_global_zero:
+                print(model_summary(module))
             self.optimizer_config = parse_optimizers(module.configure_optimizers())
             optimizer = self.optimizer_config.optimizer
             self.scaler = DynamicLossScaler() if self.precision.loss_scaling else None
@@ -359,7 +369,8 @@ class Trainer:
                     "No training data: pass train_dataloaders to fit(), a datamodule, or implement "
                     "train_dataloader() on the module."
                 )
-            self.train_dataloader = rebuild_loader(loader, None, seed, rank, world)
+            self.train_dataloader = rebuild_loader(loader, None, seed, rank, world) \
+                if self.use_distributed_sampler else loader
         hook = {"fit": "val_dataloader", "validate": "val_dataloader", "test": "test_dataloader",
                 "predict": "predict_dataloader"}[stage]
         loaders = val if val is not None else getattr(source, hook)()
@@ -369,15 +380,18 @@ class Trainer:
             loaders = [loaders]
         if stage != "fit" and not loaders:
             raise ValueError(f"No {stage} data: pass dataloaders, a datamodule, or implement {hook}() on the module.")
-        self.val_dataloaders = [rebuild_loader(dl, False, seed, rank, world, pad=False) for dl in loaders]
+        self.val_dataloaders = [rebuild_loader(dl, False, seed, rank, world, pad=False)
+                                if self.use_distributed_sampler else dl for dl in loaders]
 
     def _build_dispatch(self, module: TrainModule) -> dict[str, list[Callable]]:
-        """Bound hooks per name, only where a subclass overrides the no-op."""
+        """Bound hooks per name, only where a subclass overrides the no-op (the module's first)."""
         table: dict[str, list[Callable]] = {}
+        self._module_hooks: dict[str, int] = {}  # how many of a name's hooks are the module's (0 or 1)
         for name in HOOK_NAMES:
             fns: list[Callable] = []
             if getattr(type(module), name) is not getattr(ModelHooks, name):
                 fns.append(getattr(module, name))
+            self._module_hooks[name] = len(fns)
             for cb in self.callbacks:
                 if getattr(type(cb), name) is not getattr(Callback, name):
                     method = getattr(cb, name)
@@ -387,6 +401,14 @@ class Trainer:
 
     def _call(self, name: str, *args: Any) -> None:
         for fn in self._hooks[name]:
+            fn(*args)
+
+    def _call_module(self, name: str, *args: Any) -> None:
+        for fn in self._hooks[name][: self._module_hooks[name]]:
+            fn(*args)
+
+    def _call_callbacks(self, name: str, *args: Any) -> None:
+        for fn in self._hooks[name][self._module_hooks[name] :]:
             fn(*args)
 
     def _log_hyperparams(self) -> None:

@@ -36,3 +36,25 @@ def jsonable(value: Any) -> Any:
             return value.item()
         return value.tolist() if value.numel() <= 1024 else repr(value)
     return repr(value)
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return str(n)
+
+
+def model_summary(module: torch.nn.Module) -> str:
+    """A table of the module's top-level children with their parameter counts (tied ones once)."""
+    rows = [(name, type(child).__name__, sum(p.numel() for p in child.parameters()))
+            for name, child in module.named_children()]
+    width = max([len(r[0]) for r in rows] + [4])
+    kind = max([len(r[1]) for r in rows] + [4])
+    lines = [f"  | {'Name':<{width}} | {'Type':<{kind}} | Params"]
+    lines += [f"{i} | {n:<{width}} | {t:<{kind}} | {_count(c)}" for i, (n, t, c) in enumerate(rows)]
+    params = list(module.parameters())
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    total = sum(p.numel() for p in params)
+    lines.append(f"{_count(trainable)} trainable, {_count(total - trainable)} frozen, {_count(total)} total parameters")
+    return "\n".join(lines)

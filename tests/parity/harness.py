@@ -158,7 +158,7 @@ def run_case(case: Case, world_size: int, per_rank_batch: int) -> Result:
     trainer.fit(module, DataLoader(data, batch_size=per_rank_batch, shuffle=True), val)
     params = {k: v.detach().float().clone() for k, v in strategy.full_parameters().items()}
     psi = sum(p.numel() for p in module.parameters())
-    metrics = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
     peaks = strategy.all_gather_object(getattr(strategy, "activation_peak", {}))
     return Result(probe.losses, probe.grads, params, probe.comm, psi, metrics, peaks)
 

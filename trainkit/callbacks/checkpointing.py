@@ -110,7 +110,7 @@ class ModelCheckpoint(Callback):
         if self.save_top_k == 0 and not self.save_last:
             return None
         dirpath = self.resolve_dirpath(trainer)
-        metrics = trainer.callback_metrics
+        metrics = trainer._results.local_values(prog_bar_only=False)
         score = None
         if self.monitor is not None:
             score = metrics.get(self.monitor)

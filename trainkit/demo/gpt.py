@@ -228,7 +228,7 @@ class DemoGPT(TrainModule):
         self._started = time.perf_counter()
 
     def on_fit_end(self) -> None:
-        metrics = self.trainer.callback_metrics
+        metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items()}
         if "val_loss" not in metrics:
             return
         line = f"validation loss {metrics['val_loss']:.4f} nats"
