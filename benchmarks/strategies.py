@@ -20,6 +20,7 @@ import argparse
 import os
 import socket
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -213,6 +214,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
         out.update({name: statistics.median(ts) for name, ts in times.items()})
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter finalisation, where c10d destructors have aborted a rank now and then
 
 
 def main() -> None:
