@@ -50,6 +50,16 @@ class Precision:
     def mixed(self) -> bool:
         return self.compute_dtype is not None
 
+    @property
+    def working_dtype(self) -> torch.dtype:
+        """The dtype sharded strategies keep working parameters (and gradients) in."""
+        return self.compute_dtype or self.param_dtype
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """The dtype of master weights and optimizer state: fp32 under the mixed policies."""
+        return torch.float32 if self.mixed else self.param_dtype
+
     def forward_context(self, device: torch.device) -> contextlib.AbstractContextManager:
         """Autocast for mixed policies; a no-op context otherwise."""
         if self.compute_dtype is None:

@@ -124,16 +124,8 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
 
     # -- setup ---------------------------------------------------------------------------------------
     @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.precision.compute_dtype or self.precision.param_dtype
-
-    @property
-    def master_dtype(self) -> torch.dtype:
-        return torch.float32 if self.precision.mixed else self.precision.param_dtype
-
-    @property
     def grad_dtype(self) -> torch.dtype:
-        return _DTYPES[self.reduce_dtype] if self.reduce_dtype else self.compute_dtype
+        return _DTYPES[self.reduce_dtype] if self.reduce_dtype else self.precision.working_dtype
 
     def init_context(self) -> contextlib.AbstractContextManager:
         return torch.device("meta")
@@ -168,8 +160,8 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
             flat.index = index
         self._flats = ordered
         self._unit_of_flat = {f.index: u for u in self.units for f in u.flats}
-        converts = self.master_dtype != self.grad_dtype or (self.offload and self.device.type != "cpu")
-        self._master = MasterShards(ordered, groups, self.master_dtype, self.device, self.offload, self.ratio,
+        converts = self.precision.master_dtype != self.grad_dtype or (self.offload and self.device.type != "cpu")
+        self._master = MasterShards(ordered, groups, self.precision.master_dtype, self.device, self.offload, self.ratio,
                                     host_grads=converts)
         for unit in self.units:
             self._materialise(unit)
@@ -246,9 +238,9 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
             lo, hi = flat.piece_range(self.rank)
             master = self._master[flat]
             master.copy_(full[lo:hi])
-            same = master.dtype == self.compute_dtype and master.device == self.device
-            self._shard[flat.index] = master if same else full[lo:hi].to(self.compute_dtype)
-            gathered = torch.empty(flat.padded, dtype=self.compute_dtype, device=self.device)
+            same = master.dtype == self.precision.working_dtype and master.device == self.device
+            self._shard[flat.index] = master if same else full[lo:hi].to(self.precision.working_dtype)
+            gathered = torch.empty(flat.padded, dtype=self.precision.working_dtype, device=self.device)
             for p, view in zip(flat.params, flat.param_views(gathered), strict=True):
                 p.data, p.grad = view, None
             gathered.untyped_storage().resize_(0)

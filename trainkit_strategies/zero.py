@@ -85,14 +85,6 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         self._callback_queued = False
         self._hooks: list = []
 
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.precision.compute_dtype or self.precision.param_dtype
-
-    @property
-    def master_dtype(self) -> torch.dtype:
-        return torch.float32 if self.precision.mixed else self.precision.param_dtype
-
     # -- setup ---------------------------------------------------------------------------------------
     def setup(self, module: nn.Module, optimizer: Optimizer | None, precision: Precision) -> None:
         super().setup(module, optimizer, precision)
@@ -108,19 +100,21 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         self._units = [FlatUnit.build(b, [names[p] for p in b], self.world_size, group_of[b[0]]) for b in buckets]
         for index, unit in enumerate(self._units):
             unit.index = index
-        converts = self.master_dtype != self.compute_dtype or (self.offload and self.device.type != "cpu")
-        self._master = MasterShards(self._units, len(optimizer.param_groups), self.master_dtype, self.device,
+        working, master = self.precision.working_dtype, self.precision.master_dtype
+        converts = master != working or (self.offload and self.device.type != "cpu")
+        self._master = MasterShards(self._units, len(optimizer.param_groups), master, self.device,
                                     self.offload, self.ratio, host_grads=converts)
         self._groups = [self._build_group([u for u in self._units if u.group == g])
                         for g in range(len(optimizer.param_groups))]
         self._unit_of = {p: (u, i) for u in self._units for i, p in enumerate(u.params)}
         self._launcher = OrderedLauncher([len(u.params) for u in self._units], self._launch)
-        self._reducer = BucketReducer(self.comm, self.compute_dtype, self.device, max(u.padded for u in self._units))
+        self._reducer = BucketReducer(self.comm, working, self.device, max(u.padded for u in self._units))
         self._master.retarget(optimizer)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._unit_of]
 
     def _build_group(self, units: list[FlatUnit]) -> _Group:
-        group = _Group(units, torch.zeros(sum(u.padded for u in units), dtype=self.compute_dtype, device=self.device))
+        dtype = self.precision.working_dtype
+        group = _Group(units, torch.zeros(sum(u.padded for u in units), dtype=dtype, device=self.device))
         start = 0
         for u in units:
             u.start = start
@@ -141,7 +135,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
                                    strict=True):
                     p.grad = view
         else:
-            group.grad = torch.zeros(sum(u.piece for u in units), dtype=self.compute_dtype, device=self.device)
+            group.grad = torch.zeros(sum(u.piece for u in units), dtype=dtype, device=self.device)
         return group
 
     # -- backward: stage 1 reduces at the window's last backward (no_sync defers it); stage 2 reduces
@@ -212,7 +206,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         handles = []
         for g in self._groups:
             for u in g.units:
-                piece = self._master[u].to(device=self.device, dtype=self.compute_dtype)
+                piece = self._master[u].to(device=self.device, dtype=self.precision.working_dtype)
                 handles.append(self.comm.all_gather(g.working[u.start : u.start + u.padded], piece, async_op=True))
         for h in handles:
             h.wait()
