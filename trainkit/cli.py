@@ -96,7 +96,7 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
 
 def _instantiate(parser: ArgumentParser, cfg: Namespace, subcommand: str) -> tuple[Trainer, TrainModule, Any]:
     sub_cfg = cfg[subcommand]
-    is_demo = sub_cfg.model.class_path == DEMO_MODEL
+    is_demo = sub_cfg.model.get("class_path") == DEMO_MODEL  # a fixed main(MyModule) has no class_path
     if is_demo and sub_cfg.get("data") is None:
         sub_cfg.data = Namespace(class_path=DEMO_DATA, init_args=Namespace())
     seed = sub_cfg.trainer.seed if sub_cfg.trainer.seed is not None else (DEMO_TRAINER["seed"] if is_demo else None)

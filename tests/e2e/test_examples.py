@@ -1,0 +1,81 @@
+"""A user's own script: ``trainkit.cli.main(MyModule)``, and examples/gpt.py on a text file."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import trainkit as tk
+from trainkit.checkpoint import CheckpointReader, latest
+from trainkit.cli import main
+
+from .cli_runs import ROOT
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 8, generator=g)
+    return TensorDataset(x, torch.sin(x.sum(1, keepdim=True)))
+
+
+class Regressor(tk.TrainModule):
+    def __init__(self, lr: float = 1e-3, hidden: int = 16) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+    def train_dataloader(self):
+        return DataLoader(_data(), batch_size=16)
+
+
+def test_main_with_a_fixed_module_trains_like_a_plain_loop(tmp_path):
+    main(Regressor, args=["fit", "--model.lr", "0.02", "--model.hidden", "12", "--trainer.max_epochs", "2",
+                          "--trainer.seed", "3", "--trainer.enable_progress_bar", "false",
+                          "--trainer.default_root_dir", str(tmp_path)])
+    torch.manual_seed(3)
+    ref = Regressor(lr=0.02, hidden=12)
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.02)
+    for _ in range(2):
+        for x, y in DataLoader(_data(), batch_size=16):
+            F.mse_loss(ref.net(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    reader = CheckpointReader(latest(tmp_path / "checkpoints"))
+    assert reader.meta["loop"]["global_step"] == 12 and reader.meta["hyperparameters"]["hidden"] == 12
+    for name, param in ref.named_parameters():
+        torch.testing.assert_close(reader.full(f"model/{name}"), param.detach(), rtol=0, atol=0)
+
+
+def test_examples_gpt_trains_on_a_text_file_sharded_and_samples(tmp_path):
+    text = tmp_path / "input.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 60)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    script = str(ROOT / "examples" / "gpt.py")
+    small = ["--model.n_layer", "1", "--model.n_embd", "32", "--model.block_size", "32", "--data.block_size", "32",
+             "--data.batch_size", "8"]
+    fit = subprocess.run(
+        [sys.executable, script, "fit", "--data.path", str(text), "--trainer.devices", "2", "--trainer.strategy",
+         "fsdp", "--trainer.max_steps", "6", "--trainer.val_check_interval", "3", "--trainer.timeout_s", "120",
+         "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path), *small],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert fit.returncode == 0, fit.stderr[-4000:]
+    assert "validation loss" in fit.stdout
+    reader = CheckpointReader(latest(tmp_path / "checkpoints"))
+    assert reader.meta["strategy"] == "fsdp" and reader.meta["world_size"] == 2
+    assert reader.info("model/model.wte.weight")[0] == (256, 32)
+    out = subprocess.run([sys.executable, script, "sample", "--checkpoint", str(tmp_path / "checkpoints"),
+                          "--prompt", "the ", "--length", "40"], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.startswith("the ") and len(out.stdout) >= 30
