@@ -89,6 +89,16 @@ class ValidatedRegression(Regression):
         self.log("val_mse", self.mse)
 
 
+class BatchNormRegression(ValidatedRegression):
+    """An MLP with BatchNorm: per-rank batch statistics in training, running statistics in validation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        # no bias before the norm: its gradient is exactly zero, and Adam would turn rounding noise into steps
+        self.net = nn.Sequential(nn.Linear(8, 16, bias=False), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
+
+
 class Routed(nn.Module):
     """Samples with x[0] > 1 go through ``rare``, the others through ``common``; ``never`` is never used.
     With 4 samples per rank, ``rare`` is often unused on one rank and used on another."""

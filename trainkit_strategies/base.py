@@ -88,6 +88,7 @@ class Strategy(ABC):
     """
 
     name: ClassVar[str]
+    broadcast_buffers = True  # data-parallel strategies overwrite replicas' float buffers with rank 0's
 
     def __init__(self) -> None:
         self.env = Environment()
@@ -214,6 +215,16 @@ class Strategy(ABC):
     def zero_grad(self) -> None:
         assert self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
+
+    def sync_buffers(self) -> None:
+        """Broadcast rank 0's floating-point buffers (BatchNorm running statistics, say) to every rank, in one
+        coalesced collective per dtype; data-parallel strategies call it after each optimizer step, so all
+        replicas evaluate and checkpoint the same statistics. Integer buffers (counters) are left alone."""
+        if not (self.broadcast_buffers and self.comm.active and self.module is not None):
+            return
+        buffers = [b for b in self.module.buffers() if b.is_floating_point()]
+        if buffers:
+            self.comm.broadcast_coalesced(buffers)
 
     def _scale_local_grads(self, factor: float | Tensor) -> None:
         if isinstance(factor, float | int) and factor == 1.0:

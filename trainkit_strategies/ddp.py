@@ -150,10 +150,7 @@ class DDPStrategy(Strategy):
 
     def optimizer_step(self) -> None:
         super().optimizer_step()
-        if self.broadcast_buffers and self.comm.active:
-            buffers = [b for b in self.module.buffers() if b.is_floating_point()]
-            if buffers:
-                self.comm.broadcast_coalesced(buffers)
+        self.sync_buffers()
 
     def zero_grad(self) -> None:
         for bucket in self._buckets:

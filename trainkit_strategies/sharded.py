@@ -83,11 +83,14 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         ratio: with ``offload``, the fraction of the optimizer state kept on the host.
         reduce_dtype: dtype gradients are reduce-scattered and accumulated in ("fp32", "bf16", "fp16");
             default: the compute dtype.
+        broadcast_buffers: broadcast rank 0's floating-point buffers (e.g. BatchNorm statistics) after
+            every step, as ddp does.
     """
 
     def __init__(self, reshard_after_forward: bool = True, prefetch: bool = True, offload: bool = False,
-                 ratio: float = 1.0, reduce_dtype: str | None = None) -> None:
+                 ratio: float = 1.0, reduce_dtype: str | None = None, broadcast_buffers: bool = True) -> None:
         super().__init__()
+        self.broadcast_buffers = broadcast_buffers
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"{self.name} ratio must be in [0, 1]; got {ratio}.")
         if reduce_dtype is not None and reduce_dtype not in _DTYPES:
@@ -458,6 +461,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         assert self.optimizer is not None
         self._master.step(self.optimizer, self._grad_shard, self._take_grad_mult())
         self._refresh_shards()
+        self.sync_buffers()
 
     def _refresh_shards(self) -> None:
         """Copy updated masters into the compute-dtype shards; re-gather what stays gathered."""
@@ -534,15 +538,15 @@ class Zero3Strategy(ShardedStrategy):
     Args:
         bucket_mb: gather bucket size in MiB (consecutive parameter-owning modules share a gather).
         persistence_threshold: parameters with at most this many elements are never freed after gather.
-        reshard_after_forward, prefetch, offload, ratio, reduce_dtype: see ShardedStrategy.
+        reshard_after_forward, prefetch, offload, ratio, reduce_dtype, broadcast_buffers: see ShardedStrategy.
     """
 
     name = "zero3"
 
     def __init__(self, bucket_mb: float = 25.0, persistence_threshold: int = 100_000,
                  reshard_after_forward: bool = True, prefetch: bool = True, offload: bool = False,
-                 ratio: float = 1.0, reduce_dtype: str | None = None) -> None:
-        super().__init__(reshard_after_forward, prefetch, offload, ratio, reduce_dtype)
+                 ratio: float = 1.0, reduce_dtype: str | None = None, broadcast_buffers: bool = True) -> None:
+        super().__init__(reshard_after_forward, prefetch, offload, ratio, reduce_dtype, broadcast_buffers)
         if not bucket_mb > 0:
             raise ValueError(f"zero3 bucket_mb must be positive; got {bucket_mb}.")
         if persistence_threshold < 0:

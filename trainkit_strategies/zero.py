@@ -65,12 +65,16 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         bucket_mb: bucket size in MiB for reduce-scatter / all-gather.
         offload: keep master weights and optimizer state in host memory and step them there.
         ratio: with ``offload``, the fraction of each group's optimizer state kept on the host.
+        broadcast_buffers: broadcast rank 0's floating-point buffers (e.g. BatchNorm statistics) after
+            every step, as ddp does.
     """
 
     stage: ClassVar[int] = 1
 
-    def __init__(self, bucket_mb: float = 25.0, offload: bool = False, ratio: float = 1.0) -> None:
+    def __init__(self, bucket_mb: float = 25.0, offload: bool = False, ratio: float = 1.0,
+                 broadcast_buffers: bool = True) -> None:
         super().__init__()
+        self.broadcast_buffers = broadcast_buffers
         if not bucket_mb > 0:
             raise ValueError(f"{self.name} bucket_mb must be positive; got {bucket_mb}.")
         if not 0.0 <= ratio <= 1.0:
@@ -193,6 +197,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
     def optimizer_step(self) -> None:
         self.step_shards()
         self._gather_working()
+        self.sync_buffers()
 
     def step_shards(self) -> None:
         """Hand each piece its reduced gradient (to the host, in the master dtype) and run the optimizer
@@ -290,5 +295,6 @@ class ZeroOffloadStrategy(Zero2Strategy):
 
     name = "zero_offload"
 
-    def __init__(self, bucket_mb: float = 25.0, offload: bool = True, ratio: float = 1.0) -> None:
-        super().__init__(bucket_mb, offload, ratio)
+    def __init__(self, bucket_mb: float = 25.0, offload: bool = True, ratio: float = 1.0,
+                 broadcast_buffers: bool = True) -> None:
+        super().__init__(bucket_mb, offload, ratio, broadcast_buffers)

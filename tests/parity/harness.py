@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
 from tests.helpers import (
+    BatchNormRegression,
     MaskedRegression,
     MaskedSequences,
     Regression,
@@ -59,7 +60,8 @@ class Case:
     steps: int = 10
     per_rank_batch: int = 4
     # "regression", "validated" (sync_dist and torchmetrics validation), "masked" (num_items),
-    # "routed" (parameters unused at times), "gpt" (tied embeddings, tokens as items)
+    # "routed" (parameters unused at times), "gpt" (tied embeddings, tokens as items), "batchnorm"
+    # (BatchNorm statistics, compared across strategies: a single process normalises over the global batch)
     model: str = "regression"
     record_comm: bool = False
     validate: bool = False  # validate every 5 steps on 13 samples (uneven across ranks): val_* metrics
@@ -83,7 +85,7 @@ class Result:
     params: dict[str, torch.Tensor]
     comm: list[dict[str, int]] = field(default_factory=list)  # bytes per micro-step, by collective kind
     psi: int = 0
-    val: dict[str, float] = field(default_factory=dict)
+    val: dict[str, float] = field(default_factory=dict)  # val_* metrics; buffer_spread: ranks' largest disagreement
     peaks: list[dict] = field(default_factory=list)  # pipeline: each rank's activation peak in the last step
 
 
@@ -130,6 +132,8 @@ def _module_and_data(case: Case, world_size: int) -> tuple[Any, Any]:
         return MaskedRegression(), MaskedSequences(samples)
     if case.model == "routed":
         return RoutedRegression(), regression_data(samples)
+    if case.model == "batchnorm":
+        return BatchNormRegression(), regression_data(samples)
     if case.model == "gpt":  # tied embeddings; loss weighted by tokens
         # Adam divides each gradient by its own magnitude (plus eps), so an element whose gradient is
         # ~1e-9 turns reduction-order noise of ~1e-8 into a different update. No biases (the key bias's
@@ -160,6 +164,12 @@ def run_case(case: Case, world_size: int, per_rank_batch: int) -> Result:
     params = {k: v.detach().float().clone() for k, v in strategy.full_parameters().items()}
     psi = sum(p.numel() for p in module.parameters())
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
+    buffers = {n: b.detach().float().clone() for n, b in module.named_buffers() if b.is_floating_point()}
+    if buffers:
+        params |= {f"buffer:{n}": b for n, b in buffers.items()}
+        everyone = strategy.all_gather_object({n: b.cpu() for n, b in buffers.items()})
+        metrics["buffer_spread"] = max(float((theirs[n] - b.cpu()).abs().max()) for theirs in everyone
+                                       for n, b in buffers.items())
     peaks = strategy.all_gather_object(getattr(strategy, "activation_peak", {}))
     return Result(probe.losses, probe.grads, params, probe.comm, psi, metrics, peaks)
 
