@@ -89,6 +89,12 @@ class ValidatedRegression(Regression):
         self.log("val_mse", self.mse)
 
 
+class LossValidatedRegression(Regression):
+    """Without ``pipeline_validation_step``: under pipeline, validation reports ``pipeline_loss`` as val_loss."""
+
+    pipeline_validation_step = None
+
+
 class BatchNormRegression(ValidatedRegression):
     """An MLP with BatchNorm: per-rank batch statistics in training, running statistics in validation."""
 

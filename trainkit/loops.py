@@ -116,8 +116,9 @@ class FitLoop:
         from trainkit.module import TrainModule
 
         module = self.trainer.module
-        if isinstance(self.trainer.strategy, RunsSchedule):
-            return callable(getattr(module, "pipeline_validation_step", None))
+        scheduled = isinstance(self.trainer.strategy, RunsSchedule)
+        if scheduled and callable(getattr(module, "pipeline_validation_step", None)):
+            return True  # pipeline_validation_step alone asks for validation under pipeline
         return type(module).validation_step is not TrainModule.validation_step
 
     def run_epoch(self) -> None:
@@ -391,7 +392,7 @@ class EvalLoop:
         """Pipeline evaluation: the last stage's metrics, identical on a pipeline's ranks, logged by all."""
         t = self.trainer
         assert isinstance(t.strategy, RunsSchedule)
-        metrics = t.strategy.eval_schedule(t.module, batch, batch_idx)
+        metrics = t.strategy.eval_schedule(t.module, batch, batch_idx, t.state)
         for name, value in (metrics or {}).items():
             t._results.log(name, value, True, True, False, True, "mean", True, None)
         return metrics

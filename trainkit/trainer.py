@@ -254,15 +254,17 @@ class Trainer:
 
     def validate(
         self, module: TrainModule, dataloaders: DataLoader | Sequence[DataLoader] | None = None,
-        datamodule: DataModule | None = None, ckpt_path: str | Path | None = None,
+        datamodule: DataModule | None = None, ckpt_path: str | Path | None = None, verbose: bool = True,
     ) -> list[dict[str, float]]:
-        return self._run("validate", module, datamodule, ckpt_path, val=dataloaders)
+        """Run the validation loop once; ``verbose`` prints the results on rank 0."""
+        return self._run("validate", module, datamodule, ckpt_path, val=dataloaders, verbose=verbose)
 
     def test(
         self, module: TrainModule, dataloaders: DataLoader | Sequence[DataLoader] | None = None,
-        datamodule: DataModule | None = None, ckpt_path: str | Path | None = None,
+        datamodule: DataModule | None = None, ckpt_path: str | Path | None = None, verbose: bool = True,
     ) -> list[dict[str, float]]:
-        return self._run("test", module, datamodule, ckpt_path, val=dataloaders)
+        """Run the test loop once; ``verbose`` prints the results on rank 0."""
+        return self._run("test", module, datamodule, ckpt_path, val=dataloaders, verbose=verbose)
 
     def predict(
         self, module: TrainModule, dataloaders: DataLoader | Sequence[DataLoader] | None = None,
@@ -284,7 +286,7 @@ class Trainer:
 
     # -- the run ----------------------------------------------------------------------------------
     def _run(self, stage: str, module: TrainModule, datamodule: DataModule | None,
-             ckpt_path: str | Path | None, train: Any = None, val: Any = None) -> Any:
+             ckpt_path: str | Path | None, train: Any = None, val: Any = None, verbose: bool = False) -> Any:
         if not isinstance(module, TrainModule):
             raise TypeError(f"Trainer.{stage} needs a TrainModule; got {type(module).__name__}.")
         self.state, self.module, self.datamodule = stage, module, datamodule
@@ -311,7 +313,8 @@ class Trainer:
                 return self.eval_loop.predict(self.val_dataloaders, self.limit_predict_batches)
             limit = self.limit_val_batches if stage == "validate" else self.limit_test_batches
             metrics = self.eval_loop.run(stage, self.val_dataloaders, limit)
-            self._print_results(stage, metrics)
+            if verbose:
+                self._print_results(stage, metrics)
             return [metrics]
         except BaseException as exc:
             for cb in self.callbacks:
@@ -424,7 +427,7 @@ class Trainer:
             lg.log_hyperparams(params)
 
     def _print_results(self, stage: str, metrics: dict[str, float]) -> None:
-        if not self.is_global_zero or not metrics or not any(isinstance(c, ProgressBar) for c in self.callbacks):
+        if not self.is_global_zero or not metrics:
             return
         width = max(len(k) for k in metrics)
         lines = [f"{stage} results"] + [f"  {k:<{width}}  {v:.6g}" for k, v in sorted(metrics.items())]

@@ -359,5 +359,7 @@ class RunsSchedule(ABC):
         mean loss (on every rank) and the items this rank's losses counted (0 where no loss is computed)."""
 
     @abstractmethod
-    def eval_schedule(self, module: nn.Module, batch: Any, batch_idx: int) -> dict[str, Tensor] | None:
-        """Forward-only evaluation of ``batch``: metrics, identical on the ranks of a pipeline."""
+    def eval_schedule(self, module: nn.Module, batch: Any, batch_idx: int,
+                      stage: str = "validate") -> dict[str, Tensor]:
+        """Forward-only evaluation of ``batch`` in ``stage`` ("validate" or "test"): metrics, identical on
+        the ranks of a pipeline."""

@@ -365,11 +365,15 @@ class PipelineStrategy(Strategy, RunsSchedule):
         broadcast.wait()
         return mean[0], items
 
-    def eval_schedule(self, module: nn.Module, batch: Any, batch_idx: int) -> dict[str, Tensor] | None:
+    def eval_schedule(self, module: nn.Module, batch: Any, batch_idx: int,
+                      stage: str = "validate") -> dict[str, Tensor]:
+        """Metrics of one evaluation batch, identical on every rank of the pipeline: the means of what
+        ``pipeline_validation_step`` returns (weighted by samples) or, without it, ``pipeline_loss`` as
+        ``val_loss`` / ``test_loss`` (weighted by its items)."""
         step = getattr(module, "pipeline_validation_step", None)
+        loss_name = "test_loss" if stage == "test" else "val_loss"
         chunks = self._chunks(batch)
-        totals: dict[str, Tensor] = {}
-        count = 0
+        totals: dict[str, tuple[Tensor, float]] = {}
         sends: list[Handle] = []
         with torch.no_grad(), self.precision.forward_context(self.device):
             for mb, chunk in enumerate(chunks):
@@ -378,16 +382,20 @@ class PipelineStrategy(Strategy, RunsSchedule):
                 out = self._stage(x)
                 if self._to_next is not None:
                     sends += self._to_next.send(out, key)
-                elif callable(step):
+                    continue
+                if callable(step):
                     n = _first_tensor(chunk).shape[0]
-                    for name, value in step(out, chunk, batch_idx * self.microbatches + mb).items():
-                        totals[name] = totals.get(name, 0) + value.detach().double() * n
-                    count += n
+                    metrics = step(out, chunk, batch_idx * self.microbatches + mb)
+                else:
+                    loss, n = self._items(module.pipeline_loss(out, chunk), chunk)
+                    metrics = {loss_name: loss}
+                for name, value in metrics.items():
+                    total, weight = totals.get(name, (torch.zeros((), dtype=torch.float64), 0.0))
+                    totals[name] = (total + torch.as_tensor(value).detach().double().cpu() * float(n),
+                                    weight + float(n))
         for handle in sends:
             handle.wait()
-        if not callable(step):
-            return None
-        result = {k: v / count for k, v in totals.items()} if self.last else None
+        result = {k: total / max(weight, 1.0) for k, (total, weight) in totals.items()} if self.last else None
         return self.pipe.broadcast_object(result, src=self.stages - 1)
 
     # -- gradients and step --------------------------------------------------------------------------

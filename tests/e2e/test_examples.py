@@ -79,3 +79,76 @@ def test_examples_gpt_trains_on_a_text_file_sharded_and_samples(tmp_path):
                           "--prompt", "the ", "--length", "40"], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.startswith("the ") and len(out.stdout) >= 30
+
+
+USER_SCRIPT = '''
+import torch, torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+import trainkit as tk
+from trainkit.cli import main
+
+
+class Deep(tk.TrainModule):
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.layers = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.GELU(), torch.nn.Linear(width, width),
+                                          torch.nn.GELU(), torch.nn.Linear(width, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.layers(x), y)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", F.mse_loss(self.layers(x), y), sync_dist=True)
+
+    def pipeline_layers(self):
+        return list(self.layers)
+
+    def pipeline_loss(self, output, batch):
+        return F.mse_loss(output, batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    def _data(self, seed, n):
+        x = torch.randn(n, 8, generator=torch.Generator().manual_seed(seed))
+        return TensorDataset(x, x.pow(2).sum(1, keepdim=True))
+
+    def train_dataloader(self):
+        return DataLoader(self._data(0, 64), batch_size=16, shuffle=True)
+
+    def test_dataloader(self):
+        return DataLoader(self._data(1, 37), batch_size=16)  # a short last batch of 5
+
+
+if __name__ == "__main__":
+    main(Deep)
+'''
+
+
+def test_test_subcommand_prints_the_same_results_under_pipeline(tmp_path):
+    """`test` prints its results table with the progress bar off; a pipeline without
+    pipeline_validation_step reports pipeline_loss as test_loss, equal to test_step's one-process value."""
+    script = tmp_path / "deep.py"
+    script.write_text(USER_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    common = ["--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path),
+              "--trainer.timeout_s", "120"]
+
+    def run(*args: str) -> str:
+        proc = subprocess.run([sys.executable, str(script), *args, *common], capture_output=True, text=True,
+                              timeout=300, env=env, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return proc.stdout
+
+    run("fit", "--trainer.max_epochs", "2", "--trainer.seed", "0")
+    single = run("test", "--ckpt_path", "last")
+    piped = run("test", "--ckpt_path", "last", "--trainer.strategy", "pipeline", "--trainer.devices", "2",
+                "--trainer.strategy.microbatches", "2")
+
+    def value(out: str) -> float:
+        assert "test results" in out, out
+        return float(out.split("test_loss")[-1].split()[0])
+
+    assert abs(value(piped) - value(single)) <= 2e-5 * abs(value(single))  # printed to 6 digits

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 
 from tests.helpers import (
     BatchNormRegression,
+    LossValidatedRegression,
     MaskedRegression,
     MaskedSequences,
     Regression,
@@ -61,7 +62,8 @@ class Case:
     per_rank_batch: int = 4
     # "regression", "validated" (sync_dist and torchmetrics validation), "masked" (num_items),
     # "routed" (parameters unused at times), "gpt" (tied embeddings, tokens as items), "batchnorm"
-    # (BatchNorm statistics, compared across strategies: a single process normalises over the global batch)
+    # (BatchNorm statistics, compared across strategies: a single process normalises over the global batch),
+    # "loss_validated" (no pipeline_validation_step: pipeline validates with pipeline_loss)
     model: str = "regression"
     record_comm: bool = False
     validate: bool = False  # validate every 5 steps on 13 samples (uneven across ranks): val_* metrics
@@ -132,6 +134,8 @@ def _module_and_data(case: Case, world_size: int) -> tuple[Any, Any]:
         return MaskedRegression(), MaskedSequences(samples)
     if case.model == "routed":
         return RoutedRegression(), regression_data(samples)
+    if case.model == "loss_validated":
+        return LossValidatedRegression(), regression_data(samples)
     if case.model == "batchnorm":
         return BatchNormRegression(), regression_data(samples)
     if case.model == "gpt":  # tied embeddings; loss weighted by tokens

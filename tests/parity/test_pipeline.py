@@ -20,6 +20,8 @@ def _cases(world: int) -> list[Case]:
         Case("1f1b-num_items-clip", "pipeline", {"microbatches": 4}, model="masked", accumulate=2, clip=0.05),
         Case("1f1b-bf16", "pipeline", {"microbatches": 4}, precision="bf16-mixed"),
         Case("1f1b-validate", "pipeline", {"microbatches": 4}, validate=True, per_rank_batch=8),
+        Case("gpipe-validate-by-loss", "pipeline", {"microbatches": 4, "schedule": "gpipe"}, validate=True,
+             per_rank_batch=8, model="loss_validated"),
         Case("1f1b-activations", "pipeline", {"microbatches": 8, "measure_activations": True}, per_rank_batch=8,
              steps=2),
         Case("gpipe-activations", "pipeline", {"microbatches": 8, "measure_activations": True, "schedule": "gpipe"},
