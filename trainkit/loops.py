@@ -123,7 +123,7 @@ class FitLoop:
 
     def run_epoch(self) -> None:
         t = self.trainer
-        strategy, module = t.strategy, t.module
+        module = t.module
         loader = t.train_dataloader
         assert loader is not None and module is not None
         limit = num_batches(loader, t.limit_train_batches)
@@ -138,7 +138,7 @@ class FitLoop:
         self._window = 0
         hooks = t._hooks
         batch_start, batch_end = hooks["on_train_batch_start"], hooks["on_train_batch_end"]
-        device_needed = strategy.device.type != "cpu"
+        device_needed = t._moves_batches
         while batch_idx < limit and not self.done:
             try:
                 batch = next(batches)
@@ -340,7 +340,7 @@ class EvalLoop:
 
     def _batches(self, loaders: Sequence[DataLoader], limit: int | float | None) -> Iterator[tuple[int, int, Any]]:
         t = self.trainer
-        device_needed = t.strategy.device.type != "cpu"
+        device_needed = t._moves_batches
         for dl_idx, loader in enumerate(loaders):
             n = num_batches(loader, limit)
             for batch_idx, batch in enumerate(_iterate(loader, 0, t.seed or 0, 0)):

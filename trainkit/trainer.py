@@ -524,5 +524,11 @@ class Trainer:
         by_epochs = per_epoch * self.max_epochs if self.max_epochs is not None else math.inf
         return min(by_epochs, self.max_steps if self.max_steps >= 0 else math.inf)
 
+    @property
+    def _moves_batches(self) -> bool:
+        """Whether batches need moving to the device or casting (to bf16 under "bf16-true")."""
+        return self.strategy.device.type != "cpu" or self.precision.converts_input
+
     def to_device(self, batch: Any) -> Any:
-        return launcher.move_to_device(batch, self.strategy.device)
+        """Move ``batch`` to this rank's device and apply the precision policy's input cast."""
+        return self.precision.convert_input(launcher.move_to_device(batch, self.strategy.device))

@@ -11,6 +11,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
 
@@ -59,6 +60,19 @@ class Precision:
     def master_dtype(self) -> torch.dtype:
         """The dtype of master weights and optimizer state: fp32 under the mixed policies."""
         return torch.float32 if self.mixed else self.param_dtype
+
+    @property
+    def converts_input(self) -> bool:
+        """A "true" low-precision policy: floating-point inputs are cast to the parameters' dtype."""
+        return self.compute_dtype is None and self.param_dtype != torch.float32
+
+    def convert_input(self, batch: object) -> object:
+        """Cast the batch's floating-point tensors to ``param_dtype`` under "bf16-true" (integer tensors,
+        token ids say, are left alone); the batch itself under every other policy."""
+        if not self.converts_input:
+            return batch
+        dtype = self.param_dtype
+        return apply_to_collection(batch, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
     def forward_context(self, device: torch.device) -> contextlib.AbstractContextManager:
         """Autocast for mixed policies; a no-op context otherwise."""

@@ -14,6 +14,7 @@ CASES = [
     Case("acc1_clip_one_bucket", "ddp", {}, clip=0.05),
     Case("acc4_num_items", "ddp", SMALL_BUCKETS, accumulate=4, model="masked"),
     Case("bf16_acc4_clip", "ddp", SMALL_BUCKETS, precision="bf16-mixed", accumulate=4, clip=0.05),
+    Case("bf16_true_acc2", "ddp", SMALL_BUCKETS, precision="bf16-true", accumulate=2),
     Case("comm_acc4", "ddp", SMALL_BUCKETS, accumulate=4, steps=3, record_comm=True),
     # parameters unused on some ranks only, and one unused everywhere (its grad stays None)
     Case("unused_params", "ddp", {**SMALL_BUCKETS, "find_unused_parameters": True}, model="routed"),

@@ -21,6 +21,7 @@ CASES = [
     Case("zero2-one-bucket-clip", "zero2", {}, clip=0.05),
     Case("zero2-fp16-acc2-clip", "zero2", SMALL, precision="16-mixed", accumulate=2, clip=0.05,
          init_scale=1024.0),
+    Case("zero2-bf16-true-acc2", "zero2", SMALL, precision="bf16-true", accumulate=2),
     Case("zero1-comm-acc4", "zero1", SMALL, accumulate=4, steps=3, record_comm=True),
     Case("zero2-comm-acc1", "zero2", SMALL, steps=3, record_comm=True),
 ]

@@ -75,6 +75,14 @@ def test_precision_policies():
         Precision.from_name("fp8")
 
 
+def test_true_precision_casts_floating_inputs_only():
+    batch = {"x": torch.randn(2, 3), "ids": torch.arange(4), "meta": "keep"}
+    cast = Precision.from_name("bf16-true").convert_input(batch)
+    assert cast["x"].dtype is torch.bfloat16 and cast["ids"].dtype is torch.long and cast["meta"] == "keep"
+    for name in ("32", "bf16-mixed", "16-mixed"):
+        assert Precision.from_name(name).convert_input(batch) is batch
+
+
 def test_loss_scaler_backs_off_and_grows():
     s = DynamicLossScaler(init_scale=8.0, growth_interval=2)
     s.update(found_inf=True)
