@@ -359,6 +359,7 @@ class EvalLoop:
         module.eval()
         t._results.stage = stage
         t._results.reset(stage)
+        t.sanity_checking = sanity
         if not sanity:
             t._call(f"on_{prefix}_start")
             t._call(f"on_{prefix}_epoch_start")
@@ -384,6 +385,7 @@ class EvalLoop:
         else:
             t.log_metrics(metrics, t.global_step)
             t._call(f"on_{prefix}_end")
+        t.sanity_checking = False
         if was_training:
             module.train()
         return metrics

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from trainkit.hooks import ModelHooks
@@ -166,3 +167,38 @@ class TrainModule(ModelHooks, nn.Module):
     @property
     def world_size(self) -> int:
         return self._trainer.world_size if self._trainer else 1
+
+    @property
+    def local_rank(self) -> int:
+        return self._trainer.local_rank if self._trainer else 0
+
+    def all_gather(self, data: Any) -> Any:
+        """Gather a tensor, or every tensor in a collection, from all ranks: each gains a leading dimension
+        of size ``world_size`` (same shape needed on every rank). On one process the data comes back
+        unchanged, as in Lightning. Collective: every rank must call it."""
+        if self._trainer is None or self._trainer.world_size == 1:
+            return data
+        gather = self._trainer.strategy.all_gather
+        return apply_to_collection(data, Tensor, lambda t: gather(t))
+
+    def optimizers(self) -> torch.optim.Optimizer:
+        """The optimizer from ``configure_optimizers`` (re-targeted by the strategy)."""
+        optimizer = self.trainer.optimizer
+        if optimizer is None:
+            raise RuntimeError("optimizers() is available once fit has set up the optimizer.")
+        return optimizer
+
+    def lr_schedulers(self) -> Any:
+        """The LR scheduler from ``configure_optimizers``, or None."""
+        return self.trainer.lr_scheduler
+
+    def freeze(self) -> None:
+        """No gradients for any parameter, and eval mode."""
+        for param in self.parameters():
+            param.requires_grad_(False)
+        self.eval()
+
+    def unfreeze(self) -> None:
+        for param in self.parameters():
+            param.requires_grad_(True)
+        self.train()

@@ -20,7 +20,7 @@ from trainkit.activation import apply_activation_checkpointing
 from trainkit.callbacks.base import Callback
 from trainkit.callbacks.checkpointing import ModelCheckpoint
 from trainkit.callbacks.progress import ProgressBar
-from trainkit.data import DataModule, rebuild_loader
+from trainkit.data import DataModule, num_batches, rebuild_loader
 from trainkit.hooks import HOOK_NAMES, ModelHooks
 from trainkit.loggers import Logger, TensorBoardLogger
 from trainkit.loops import EvalLoop, FitLoop
@@ -171,6 +171,9 @@ class Trainer:
         self._pending_rng: dict | None = None
         self._hooks: dict[str, list[Callable]] = {}
         self._last_loss: torch.Tensor | None = None
+        self._logged_metrics: dict[str, float] = {}
+        self._train_arg: Any = None
+        self.sanity_checking = False  # True while the sanity validation before training runs
 
     # -- construction helpers ---------------------------------------------------------------------
     def _resolve_strategy(self, strategy: str | Strategy) -> Strategy:
@@ -234,6 +237,53 @@ class Trainer:
         return values
 
     @property
+    def estimated_stepping_batches(self) -> float:
+        """Optimizer steps this ``fit`` will take: ``max_steps``, or the epochs times the batches per
+        epoch (after ``limit_train_batches``) divided by the accumulation, whichever is smaller; ``inf``
+        when the loader has no length and ``max_steps`` is unset. Usable in ``configure_optimizers``
+        (to size a OneCycleLR, say): it fetches the training data early when needed."""
+        if self.state != "fit":
+            raise RuntimeError("estimated_stepping_batches is known only during fit.")
+        if self.train_dataloader is None:
+            self._connect_train_data()
+        assert self.train_dataloader is not None
+        return self.estimated_steps(num_batches(self.train_dataloader, self.limit_train_batches))
+
+    @property
+    def num_training_batches(self) -> float:
+        """Batches of one training epoch on this rank, after ``limit_train_batches`` (``inf`` if unknown)."""
+        if self.train_dataloader is None:
+            return 0
+        return num_batches(self.train_dataloader, self.limit_train_batches)
+
+    @property
+    def logged_metrics(self) -> dict[str, torch.Tensor]:
+        """The latest value of every metric sent to the loggers, as 0-d tensors."""
+        return {k: torch.tensor(v) for k, v in self._logged_metrics.items()}
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def log_dir(self) -> Path | None:
+        """The first logger's run directory (``runs/<name>/version_N``), or None without a logger."""
+        return self.logger.log_dir if self.logger is not None else None
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.strategy.optimizer] if self.strategy.optimizer is not None else []
+
+    @property
+    def lr_scheduler(self) -> Any:
+        """The LR scheduler from ``configure_optimizers``, or None."""
+        return self.optimizer_config.scheduler if self.optimizer_config is not None else None
+
+    @property
+    def checkpoint_callback(self) -> ModelCheckpoint | None:
+        return next((c for c in self.callbacks if isinstance(c, ModelCheckpoint)), None)
+
+    @property
     def checkpoint_dir(self) -> Path:
         for cb in self.callbacks:
             if isinstance(cb, ModelCheckpoint):
@@ -280,6 +330,7 @@ class Trainer:
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Send metrics to every logger (rank 0 only); for callbacks."""
+        self._logged_metrics.update(metrics)
         if self.is_global_zero and metrics:
             for lg in self.loggers:
                 lg.log_metrics(metrics, self.global_step if step is None else step)
@@ -291,6 +342,7 @@ class Trainer:
             raise TypeError(f"Trainer.{stage} needs a TrainModule; got {type(module).__name__}.")
         self.state, self.module, self.datamodule = stage, module, datamodule
         self.should_stop = False
+        self.train_dataloader, self._train_arg = None, train
         module._trainer = self
         if self.seed is not None:
             seed_everything(self.seed)
@@ -365,15 +417,8 @@ class Trainer:
         source: Any = self.datamodule if self.datamodule is not None else self.module
         seed = self.seed or 0
         rank, world = self.strategy.dp_rank, self.strategy.dp_size  # pipeline stages of a replica share data
-        if stage == "fit":
-            loader = train if train is not None else source.train_dataloader()
-            if loader is None:
-                raise ValueError(
-                    "No training data: pass train_dataloaders to fit(), a datamodule, or implement "
-                    "train_dataloader() on the module."
-                )
-            self.train_dataloader = rebuild_loader(loader, None, seed, rank, world) \
-                if self.use_distributed_sampler else loader
+        if stage == "fit" and self.train_dataloader is None:
+            self._connect_train_data()
         hook = {"fit": "val_dataloader", "validate": "val_dataloader", "test": "test_dataloader",
                 "predict": "predict_dataloader"}[stage]
         loaders = val if val is not None else getattr(source, hook)()
@@ -385,6 +430,18 @@ class Trainer:
             raise ValueError(f"No {stage} data: pass dataloaders, a datamodule, or implement {hook}() on the module.")
         self.val_dataloaders = [rebuild_loader(dl, False, seed, rank, world, pad=False)
                                 if self.use_distributed_sampler else dl for dl in loaders]
+
+    def _connect_train_data(self) -> None:
+        source: Any = self.datamodule if self.datamodule is not None else self.module
+        loader = self._train_arg if self._train_arg is not None else source.train_dataloader()
+        if loader is None:
+            raise ValueError(
+                "No training data: pass train_dataloaders to fit(), a datamodule, or implement "
+                "train_dataloader() on the module."
+            )
+        rank, world = self.strategy.dp_rank, self.strategy.dp_size  # pipeline stages of a replica share data
+        self.train_dataloader = rebuild_loader(loader, None, self.seed or 0, rank, world) \
+            if self.use_distributed_sampler else loader
 
     def _build_dispatch(self, module: TrainModule) -> dict[str, list[Callable]]:
         """Bound hooks per name, only where a subclass overrides the no-op (the module's first)."""
