@@ -56,6 +56,14 @@ def _iterate(loader: Iterable[Any], epoch: int, seed: int, skip_batches: int) ->
     return it
 
 
+def _exhaust(batches: Iterator[Any]) -> None:
+    """Ask a finished epoch's iterator for one more batch, as a ``for`` loop does before it stops: torch's
+    RandomSampler draws once more from its generator when it runs out, so a loader with a seeded
+    ``generator`` shuffles the next epoch as in a hand-written loop. One call, so an iterator whose
+    length undercounts it is not drained."""
+    next(batches, None)
+
+
 class FitLoop:
     """Epochs of micro-batches grouped into optimizer steps; its state is what checkpoints resume."""
 
@@ -160,6 +168,8 @@ class FitLoop:
             self._finish_step(batch_idx, val_every)
         if self.done and batch_idx < limit:
             return
+        if t.limit_train_batches is None:
+            _exhaust(batches)
         if math.isinf(val_every) and self._validation_epoch():
             t.eval_loop.run("validate", t.val_dataloaders, t.limit_val_batches)
             t._results.stage = "train"

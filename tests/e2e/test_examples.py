@@ -58,6 +58,27 @@ def test_main_with_a_fixed_module_trains_like_a_plain_loop(tmp_path):
         torch.testing.assert_close(reader.full(f"model/{name}"), param.detach(), rtol=0, atol=0)
 
 
+def test_own_shuffled_loader_trains_like_a_plain_loop(tmp_path):
+    """use_distributed_sampler=False keeps a seeded shuffling loader as it is: over several epochs the
+    trainer draws the same orders from its generator as a ``for`` loop, so the parameters match exactly."""
+    tk.seed_everything(4)
+    module = Regressor(lr=0.02)
+    trainer = tk.Trainer(max_epochs=3, use_distributed_sampler=False, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer.fit(module, DataLoader(_data(), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(9)))
+    torch.manual_seed(4)
+    ref = Regressor(lr=0.02)
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.02)
+    loader = DataLoader(_data(), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(9))
+    for _ in range(3):
+        for x, y in loader:
+            F.mse_loss(ref.net(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    for got, want in zip(module.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_examples_gpt_trains_on_a_text_file_sharded_and_samples(tmp_path):
     text = tmp_path / "input.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 60)
