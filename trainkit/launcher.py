@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from trainkit_strategies import Environment
 
 _children: list[subprocess.Popen] = []
 _grace_s = 60.0
+_joined = threading.Event()  # set once this process has joined the process group
 
 
 def free_port() -> int:
@@ -75,7 +77,43 @@ def _threads_per_rank(devices: int) -> int:
     return max(1, cpus // devices)
 
 
+def _relaunchable() -> bool:
+    """Whether this process's command can be run again: a script or ``python -m``, not ``python -c``, a
+    REPL or a notebook kernel."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name and spec.name != "ipykernel_launcher":
+        return True
+    return bool(getattr(main, "__file__", None)) and bool(sys.argv) and sys.argv[0] not in ("", "-c")
+
+
+def _watch_startup() -> None:
+    """Until this rank joins the process group, stop the run as soon as a launched rank exits: it died
+    before the rendezvous (an import error, say), and rank 0 would otherwise wait ``timeout_s`` for it."""
+    while not _joined.wait(0.2):
+        for rank, child in enumerate(list(_children), start=1):
+            code = child.poll()
+            if code is not None:
+                print(f"trainkit: error: rank {rank} exited with code {code} before joining the other ranks (its "
+                      "error is printed above); stopping the run.", file=sys.stderr, flush=True)
+                for other in _children:
+                    if other.poll() is None:
+                        other.terminate()
+                os._exit(code or 1)
+
+
+def joined() -> None:
+    """Called once the process group is up: launched ranks are from now on watched by the collectives."""
+    _joined.set()
+
+
 def _launch(devices: int, timeout_s: float) -> None:
+    if not _relaunchable():
+        raise RuntimeError(
+            f"devices={devices} re-runs this program once per extra rank, but it was started from python -c, an "
+            "interactive session or a notebook, which cannot be re-run. Put the training code in a script (the "
+            "Trainer under `if __name__ == \"__main__\":`) and run that, or start the ranks with torchrun."
+        )
     port = str(free_port())
     threads = os.environ.get("OMP_NUM_THREADS") or str(_threads_per_rank(devices))
     torch.set_num_threads(int(threads))
@@ -89,14 +127,20 @@ def _launch(devices: int, timeout_s: float) -> None:
     global _grace_s
     _grace_s = timeout_s + 30.0
     atexit.register(wait_children)
+    threading.Thread(target=_watch_startup, name="trainkit-launch-watch", daemon=True).start()
 
 
 def wait_children() -> int:
     """Wait for launched ranks; returns the first non-zero exit code (0 when all succeeded).
 
     A rank still running ``timeout_s + 30`` seconds after this one finished is stuck (its peers are
-    gone): it is terminated rather than waited on forever.
+    gone): it is terminated rather than waited on forever. Ranks launched by a process that never joined
+    them (it failed first) are terminated at once.
     """
+    if not _joined.is_set():
+        for child in _children:
+            if child.poll() is None:
+                child.terminate()
     code = 0
     while _children:
         child = _children.pop(0)

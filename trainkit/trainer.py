@@ -124,6 +124,7 @@ class Trainer:
         self.devices, self.num_nodes, self.accelerator, self.timeout_s = devices, num_nodes, accelerator, timeout_s
         self.env = launcher.connect(accelerator, devices, num_nodes, timeout_s)
         self.strategy = self._resolve_strategy(strategy)
+        launcher.joined()
 
         self.fast_dev_run = int(fast_dev_run)
         if check_val_every_n_epoch is not None and check_val_every_n_epoch < 1:

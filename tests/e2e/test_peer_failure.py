@@ -44,3 +44,36 @@ def test_failed_peer_stops_the_run_with_a_clear_error(tmp_path, how, timeout_s):
     resumed, _ = run(tmp_path, "--ckpt_path", "last", "--trainer.timeout_s", "60")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert (tmp_path / "checkpoints" / "latest").read_text() == "epoch=1-step=20"
+
+
+DIES_BEFORE_JOINING = '''
+import os
+import trainkit as tk
+
+if os.environ.get("RANK") == "1":
+    raise ImportError("simulated: a package is missing on rank 1")
+if __name__ == "__main__":
+    tk.Trainer(devices=2, logger=False, timeout_s=600)
+    print("joined")
+'''
+
+
+def test_a_rank_that_dies_before_joining_stops_rank_zero_at_once(tmp_path):
+    """Rank 0 does not wait timeout_s (600 s here) for a launched rank that is already dead."""
+    script = tmp_path / "dies.py"
+    script.write_text(DIES_BEFORE_JOINING)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 1 and "joined" not in proc.stdout
+    assert "rank 1 exited with code 1 before joining the other ranks" in proc.stderr, proc.stderr[-3000:]
+    assert "simulated: a package is missing" in proc.stderr
+    assert time.monotonic() - start < 60
+
+
+def test_devices_from_python_c_says_to_use_a_script(tmp_path):
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-c", "import trainkit as tk; tk.Trainer(devices=2, logger=False)"],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "cannot be re-run. Put the training code in a script" in proc.stderr, proc.stderr[-3000:]
