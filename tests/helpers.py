@@ -105,6 +105,84 @@ class BatchNormRegression(ValidatedRegression):
         self.net = nn.Sequential(nn.Linear(8, 16, bias=False), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
 
 
+class RMSNorm(nn.Module):
+    """A norm with no reset_parameters: its weight comes from ``torch.ones`` in the constructor."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class MixingBlock(nn.Module):
+    """Buffers computed by chains of ops (a causal mask, a cosine table) and a parameter from torch.randn."""
+
+    def __init__(self, dim: int, length: int) -> None:
+        super().__init__()
+        self.norm, self.fc, self.proj = RMSNorm(dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.register_buffer("mask", torch.tril(torch.ones(length, length)) / torch.arange(1, length + 1)[:, None])
+        table = torch.cos(torch.outer(torch.arange(length).float(), torch.linspace(0.1, 1.0, dim)))
+        self.register_buffer("table", table, persistent=False)
+        self.gate = nn.Parameter(torch.randn(dim) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        h = self.mask[:t, :t] @ (self.fc(self.norm(x)) + self.table[:t])
+        return x + self.proj(torch.tanh(h)) * self.gate
+
+
+class DeferredInitNet(tk.TrainModule):
+    """Built in configure_model with the initialisation users write (nanoGPT's ``apply(_init_weights)``
+    with ``.data.normal_``, ``trunc_normal_``, a seeded generator, in-place fills): under zero3/fsdp it is
+    built on the meta device, and must still start from the values a one-process run gives it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks: nn.ModuleList | None = None
+
+    def configure_model(self) -> None:
+        if self.blocks is not None:
+            return
+        self.inp = nn.Linear(4, 16)
+        self.blocks = nn.ModuleList(MixingBlock(16, 8) for _ in range(3))
+        self.out = nn.Linear(16, 1)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.trunc_normal_(p, std=0.05)
+        with torch.no_grad():
+            self.out.weight.data.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(7))
+            self.out.bias.fill_(0.25)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            module.weight.data.normal_(mean=0.0, std=0.2)
+            if module.bias is not None:
+                module.bias.data.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h).mean(1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return adamw_groups(self)
+
+
+def sequence_regression_data(n: int, seed: int = 0) -> TensorDataset:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, 4, generator=gen)
+    return TensorDataset(x, torch.tanh(x.sum((1, 2)))[:, None])
+
+
 class Routed(nn.Module):
     """Samples with x[0] > 1 go through ``rare``, the others through ``common``; ``never`` is never used.
     With 4 samples per rank, ``rare`` is often unused on one rank and used on another."""

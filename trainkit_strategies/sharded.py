@@ -19,10 +19,12 @@ Mixed precision follows FSDP's policy: fp32 sharded master, gathers in the compu
 reduced in ``reduce_dtype`` (default: the compute dtype). The optimizer steps the master pieces
 (``MasterShards``, shared with ZeRO-1/2, including offload).
 
-Sharded initialisation: inside ``init_context()`` modules are built on the meta device; ``setup``
-materialises one unit at a time (``reset_parameters()`` of each module, the same seed on every
-rank), keeps this rank's pieces and frees the rest, so a rank never holds more than its shards plus
-one unit.
+Sharded initialisation: inside ``init_context()`` modules are built on the meta device while an
+``InitRecorder`` logs what the code computes (``deferred.py``); ``setup`` materialises one unit at a
+time, replaying that log for each of its tensors, so every parameter and buffer gets the values a
+one-process run gives it (custom ``nn.init`` calls, factories and random draws included), keeps this
+rank's pieces and frees the rest: a rank never holds more than its shards plus one unit. Tensors the
+log cannot rebuild fall back to their module's ``reset_parameters()``, with a warning.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from torch.optim import Optimizer
 from trainkit_strategies import state as st
 from trainkit_strategies.base import ShardedInit, Strategy
 from trainkit_strategies.comm import Handle
+from trainkit_strategies.deferred import InitRecorder, Replayer
 from trainkit_strategies.flat import BucketReducer, FlatUnit, OrderedLauncher
 from trainkit_strategies.master import DeferredGradScale, MasterShards
 from trainkit_strategies.memory import MemoryReport
@@ -115,6 +118,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         self._position = {"forward": 0, "backward": 0}
         self._recorded = {"forward": False, "backward": False}
         self._replaced: dict[Tensor, Tensor] = {}  # meta parameter -> the parameter that replaced it
+        self._replayer: Replayer | None = None  # what configure_model computed on the meta device
 
     # -- policy --------------------------------------------------------------------------------------
     def unit_modules(self, module: nn.Module) -> list[list[nn.Module]]:
@@ -131,7 +135,14 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         return _DTYPES[self.reduce_dtype] if self.reduce_dtype else self.precision.working_dtype
 
     def init_context(self) -> contextlib.AbstractContextManager:
-        return torch.device("meta")
+        return self._recording()
+
+    @contextlib.contextmanager
+    def _recording(self) -> Iterator[None]:
+        recorder = InitRecorder()
+        with torch.device("meta"), recorder:
+            yield
+        self._replayer = Replayer(recorder)
 
     def setup(self, module: nn.Module, optimizer: Optimizer | None, precision: Precision) -> None:
         self.module, self.optimizer, self.precision = module, optimizer, precision
@@ -254,23 +265,31 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         return self._replaced.get(p, p)
 
     def _initialise_meta(self, homes: dict[Tensor, Tensor]) -> None:
-        """Materialise meta parameters with their modules' reset_parameters(), each new parameter a view of
-        its place in ``homes`` (the unit's buffers). A module is initialised once, all its parameters
-        together, even those another unit shards (they get storage of their own)."""
+        """Materialise meta parameters, each new parameter a view of its place in ``homes`` (the unit's
+        buffers), with the values ``configure_model`` computed (replayed from the init log), or, for a
+        module whose tensors the log cannot rebuild, with its ``reset_parameters()``. A module is
+        materialised once, all its parameters together, even those another unit shards (they get storage
+        of their own)."""
         assert self.module is not None
+        replayer = self._replayer
         for mod in self.module.modules():
             if not any(p is not None and p in homes and p.is_meta for p in mod._parameters.values()):
                 continue
-            metas = [n for n, p in mod._parameters.items() if p is not None and p.is_meta]
+            metas = {n: p for n, p in mod._parameters.items() if p is not None and p.is_meta}
+            buffers = {n: b for n, b in mod._buffers.items() if b is not None and b.is_meta}
+            replay = replayer is not None and all(replayer.knows(t) for t in [*metas.values(), *buffers.values()])
             reset = getattr(mod, "reset_parameters", None) or getattr(mod, "_reset_parameters", None)
-            if reset is None:
+            if not replay and reset is None:
                 raise TypeError(
-                    f"{type(mod).__name__} was built on the meta device (in configure_model) but has no "
-                    "reset_parameters() to initialise it; define reset_parameters() or build this module in "
-                    "__init__ instead of configure_model."
+                    f"{type(mod).__name__} was built on the meta device (in configure_model) in a way trainkit "
+                    "cannot replay, and has no reset_parameters() to initialise it; define reset_parameters() or "
+                    "build this module in __init__ instead of configure_model."
                 )
-            for name in metas:
-                old = mod._parameters[name]
+            if not replay and replayer is not None:
+                rank_zero_warn(f"{type(mod).__name__}'s tensors were computed in configure_model in a way trainkit "
+                               "cannot replay; they are initialised by its reset_parameters() instead, so they "
+                               "differ from a one-process run.")
+            for old in metas.values():
                 home = homes.get(old)
                 data = home if home is not None else torch.empty_like(old, device=self.device, dtype=torch.float32)
                 new = nn.Parameter(data, requires_grad=old.requires_grad)
@@ -279,18 +298,26 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
                         if value is old:
                             owner._parameters[key] = new
                 self._replaced[old] = new
-            for name, buf in mod._buffers.items():
-                if buf is not None and buf.is_meta:
-                    mod._buffers[name] = torch.empty_like(buf, device=self.device)
+            for name, buf in buffers.items():
+                mod._buffers[name] = torch.empty_like(buf, device=self.device)
             with torch.no_grad():
-                reset()
-                custom = getattr(self.module, "init_weights", None)
-                if callable(custom):  # the model's own initialisation, module by module
-                    custom(mod)
+                if replay:
+                    assert replayer is not None
+                    for name, old in metas.items():
+                        replayer.fill(old, mod._parameters[name].data)
+                    for name, old in buffers.items():
+                        replayer.fill(old, mod._buffers[name])
+                else:
+                    reset()
+                    custom = getattr(self.module, "init_weights", None)
+                    if callable(custom):  # the model's own initialisation, module by module
+                        custom(mod)
         for mod in self.module.modules():  # buffers of modules without parameters
             for name, buf in mod._buffers.items():
                 if buf is not None and buf.is_meta:
                     mod._buffers[name] = torch.zeros_like(buf, device=self.device)
+                    if replayer is not None and replayer.knows(buf):
+                        replayer.fill(buf, mod._buffers[name])
 
     def _install_hooks(self) -> None:
         hooks = []

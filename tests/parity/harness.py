@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 
 from tests.helpers import (
     BatchNormRegression,
+    DeferredInitNet,
     LossValidatedRegression,
     MaskedRegression,
     MaskedSequences,
@@ -37,6 +38,7 @@ from tests.helpers import (
     RoutedRegression,
     ValidatedRegression,
     regression_data,
+    sequence_regression_data,
 )
 from trainkit import Trainer
 from trainkit.callbacks import Callback
@@ -63,7 +65,8 @@ class Case:
     # "regression", "validated" (sync_dist and torchmetrics validation), "masked" (num_items),
     # "routed" (parameters unused at times), "gpt" (tied embeddings, tokens as items), "batchnorm"
     # (BatchNorm statistics, compared across strategies: a single process normalises over the global batch),
-    # "loss_validated" (no pipeline_validation_step: pipeline validates with pipeline_loss)
+    # "loss_validated" (no pipeline_validation_step: pipeline validates with pipeline_loss), "deferred" (built
+    # and custom-initialised in configure_model: on the meta device under zero3/fsdp)
     model: str = "regression"
     record_comm: bool = False
     validate: bool = False  # validate every 5 steps on 13 samples (uneven across ranks): val_* metrics
@@ -136,6 +139,8 @@ def _module_and_data(case: Case, world_size: int) -> tuple[Any, Any]:
         return RoutedRegression(), regression_data(samples)
     if case.model == "loss_validated":
         return LossValidatedRegression(), regression_data(samples)
+    if case.model == "deferred":
+        return DeferredInitNet(), sequence_regression_data(samples)
     if case.model == "batchnorm":
         return BatchNormRegression(), regression_data(samples)
     if case.model == "gpt":  # tied embeddings; loss weighted by tokens
