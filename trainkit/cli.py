@@ -96,7 +96,8 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
 
 def _instantiate(parser: ArgumentParser, cfg: Namespace, subcommand: str) -> tuple[Trainer, TrainModule, Any]:
     sub_cfg = cfg[subcommand]
-    is_demo = sub_cfg.model.get("class_path") == DEMO_MODEL  # a fixed main(MyModule) has no class_path
+    model_cfg = sub_cfg.get("model")  # a fixed main(MyModule) has no class_path (nor a group without arguments)
+    is_demo = isinstance(model_cfg, Namespace) and model_cfg.get("class_path") == DEMO_MODEL
     if is_demo and sub_cfg.get("data") is None:
         sub_cfg.data = Namespace(class_path=DEMO_DATA, init_args=Namespace())
     seed = sub_cfg.trainer.seed if sub_cfg.trainer.seed is not None else (DEMO_TRAINER["seed"] if is_demo else None)

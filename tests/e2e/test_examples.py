@@ -58,6 +58,17 @@ def test_main_with_a_fixed_module_trains_like_a_plain_loop(tmp_path):
         torch.testing.assert_close(reader.full(f"model/{name}"), param.detach(), rtol=0, atol=0)
 
 
+class NoArguments(Regressor):
+    def __init__(self) -> None:
+        super().__init__(lr=0.01)
+
+
+def test_main_with_a_module_without_init_arguments(tmp_path):
+    main(NoArguments, args=["fit", "--trainer.max_epochs", "1", "--trainer.enable_progress_bar", "false",
+                            "--trainer.default_root_dir", str(tmp_path)])
+    assert CheckpointReader(latest(tmp_path / "checkpoints")).meta["loop"]["global_step"] == 6
+
+
 def test_own_shuffled_loader_trains_like_a_plain_loop(tmp_path):
     """use_distributed_sampler=False keeps a seeded shuffling loader as it is: over several epochs the
     trainer draws the same orders from its generator as a ``for`` loop, so the parameters match exactly."""
