@@ -178,8 +178,7 @@ class TrainModule(ModelHooks, nn.Module):
         unchanged, as in Lightning. Collective: every rank must call it."""
         if self._trainer is None or self._trainer.world_size == 1:
             return data
-        gather = self._trainer.strategy.all_gather
-        return apply_to_collection(data, Tensor, lambda t: gather(t))
+        return apply_to_collection(data, Tensor, self._trainer.strategy.all_gather)
 
     def optimizers(self) -> torch.optim.Optimizer:
         """The optimizer from ``configure_optimizers`` (re-targeted by the strategy)."""

@@ -415,34 +415,38 @@ class Trainer:
         self.strategy.setup(module, optimizer, self.precision)
 
     def _connect_data(self, stage: str, train: Any, val: Any) -> None:
-        source: Any = self.datamodule if self.datamodule is not None else self.module
-        seed = self.seed or 0
-        rank, world = self.strategy.dp_rank, self.strategy.dp_size  # pipeline stages of a replica share data
         if stage == "fit" and self.train_dataloader is None:
             self._connect_train_data()
         hook = {"fit": "val_dataloader", "validate": "val_dataloader", "test": "test_dataloader",
                 "predict": "predict_dataloader"}[stage]
-        loaders = val if val is not None else getattr(source, hook)()
+        loaders = val if val is not None else getattr(self._data_source, hook)()
         if loaders is None:
             loaders = []
         elif isinstance(loaders, DataLoader):
             loaders = [loaders]
         if stage != "fit" and not loaders:
             raise ValueError(f"No {stage} data: pass dataloaders, a datamodule, or implement {hook}() on the module.")
-        self.val_dataloaders = [rebuild_loader(dl, False, seed, rank, world, pad=False)
-                                if self.use_distributed_sampler else dl for dl in loaders]
+        self.val_dataloaders = [self._rebuild(dl, shuffle=False, pad=False) for dl in loaders]
 
     def _connect_train_data(self) -> None:
-        source: Any = self.datamodule if self.datamodule is not None else self.module
-        loader = self._train_arg if self._train_arg is not None else source.train_dataloader()
+        loader = self._train_arg if self._train_arg is not None else self._data_source.train_dataloader()
         if loader is None:
             raise ValueError(
                 "No training data: pass train_dataloaders to fit(), a datamodule, or implement "
                 "train_dataloader() on the module."
             )
-        rank, world = self.strategy.dp_rank, self.strategy.dp_size  # pipeline stages of a replica share data
-        self.train_dataloader = rebuild_loader(loader, None, self.seed or 0, rank, world) \
-            if self.use_distributed_sampler else loader
+        self.train_dataloader = self._rebuild(loader, shuffle=None, pad=True)
+
+    @property
+    def _data_source(self) -> Any:
+        return self.datamodule if self.datamodule is not None else self.module
+
+    def _rebuild(self, loader: Any, shuffle: bool | None, pad: bool) -> Any:
+        """``loader`` with trainkit's sampler (``use_distributed_sampler``), sharded by data-parallel rank:
+        the stages of one pipeline replica share data."""
+        if not self.use_distributed_sampler:
+            return loader
+        return rebuild_loader(loader, shuffle, self.seed or 0, self.strategy.dp_rank, self.strategy.dp_size, pad=pad)
 
     def _build_dispatch(self, module: TrainModule) -> dict[str, list[Callable]]:
         """Bound hooks per name, only where a subclass overrides the no-op (the module's first)."""

@@ -16,7 +16,9 @@ gets the very values a one-process run gives it, while only the tensors it depen
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -88,10 +90,11 @@ class InitRecorder(TorchFunctionMode):
 
     def _wrap(self, func: Any) -> Any:
         def init_function(*args: Any, **kwargs: Any) -> Any:
-            target = next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)), None)
+            leaves = tree_flatten((args, kwargs))[0]
+            target = next((t for t in leaves if isinstance(t, Tensor)), None)
             if target is None or not target.is_meta:
                 return func(*args, **kwargs)
-            self._log(func, args, kwargs, target, random=func.__name__ not in _DETERMINISTIC_INIT)
+            self._log(func, args, kwargs, leaves, target, random=func.__name__ not in _DETERMINISTIC_INIT)
             return target
 
         init_function.__name__ = func.__name__
@@ -103,22 +106,22 @@ class InitRecorder(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in _IGNORED:
             return func(*args, **kwargs)
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
-        if not any(t.is_meta for t in inputs) and torch.get_default_device().type != "meta" and \
-                not _makes_meta(kwargs):
+        leaves = tree_flatten((args, kwargs))[0]
+        if not any(isinstance(t, Tensor) and t.is_meta for t in leaves) and \
+                torch.get_default_device().type != "meta" and not _makes_meta(kwargs):
             return func(*args, **kwargs)
-        return self._log(func, args, kwargs, None, random=name in _RANDOM)
+        return self._log(func, args, kwargs, leaves, None, random=name in _RANDOM)
 
-    def _log(self, func: Any, args: tuple, kwargs: dict, result: Any, random: bool) -> Any:
-        """Run (unless ``result`` is given) and record one call; advance the generators for a random one."""
+    def _log(self, func: Any, args: tuple, kwargs: dict, leaves: list, result: Any, random: bool) -> Any:
+        """Run (unless ``result`` is given) and record one call; advance the generators for a random one.
+        ``leaves``: the flattened ``(args, kwargs)``."""
         name = getattr(func, "__name__", "")
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
-        metas = [t for t in inputs if t.is_meta]
+        metas = [t for t in leaves if isinstance(t, Tensor) and t.is_meta]
         before = {_key(t) for t in metas}
         rng: dict[int, Tensor] = {}
         if random:
             rng[0] = torch.get_rng_state()
-            for g in tree_flatten((args, kwargs))[0]:
+            for g in leaves:
                 if isinstance(g, torch.Generator):
                     rng[id(g)] = g.get_state()
                     self.generators[id(g)] = g
@@ -139,15 +142,9 @@ class InitRecorder(TorchFunctionMode):
 
     @staticmethod
     def _advance(func: Any, args: tuple, kwargs: dict) -> None:
-        def real(x: Any) -> Any:
-            if isinstance(x, Tensor) and x.is_meta:
-                return torch.zeros(x.shape, dtype=x.dtype)
-            if isinstance(x, torch.device) and x.type == "meta":
-                return torch.device("cpu")
-            return x
-
+        scratch = partial(_on_cpu, lambda t: torch.zeros(t.shape, dtype=t.dtype))
         with torch.device("cpu"):
-            func(*tree_map(real, args), **tree_map(real, kwargs))
+            func(*tree_map(scratch, args), **tree_map(scratch, kwargs))
 
 
 class Replayer:
@@ -205,14 +202,11 @@ class Replayer:
     def _run(self, call: _Call, bound: dict[int, Tensor]) -> Any:
         """Run ``call`` on the CPU; meta arguments become their values at that moment (``bound`` storages
         are used as they are: the call writes into them)."""
-        def real(x: Any) -> Any:
-            if isinstance(x, Tensor) and x.is_meta:
-                key = _key(x)
-                return _view(bound[key] if key in bound else self._storage_at(key, call.index), x)
-            if isinstance(x, torch.device) and x.type == "meta":
-                return torch.device("cpu")
-            return x
+        def value(x: Tensor) -> Tensor:
+            key = _key(x)
+            return _view(bound[key] if key in bound else self._storage_at(key, call.index), x)
 
+        real = partial(_on_cpu, value)
         args, kwargs = tree_map(real, call.args), tree_map(real, call.kwargs)
         for i, state in call.rng.items():
             if i == 0:
@@ -221,6 +215,16 @@ class Replayer:
                 self.rec.generators[i].set_state(state)
         with torch.device("cpu"), torch.no_grad():
             return call.func(*args, **kwargs)
+
+
+def _on_cpu(meta_tensor: Callable[[Tensor], Tensor], x: Any) -> Any:
+    """A call argument moved off the meta device: a meta tensor through ``meta_tensor``, the meta device
+    to the CPU, anything else as it is."""
+    if isinstance(x, Tensor) and x.is_meta:
+        return meta_tensor(x)
+    if isinstance(x, torch.device) and x.type == "meta":
+        return torch.device("cpu")
+    return x
 
 
 def _view(flat: Tensor, like: Tensor) -> Tensor:
