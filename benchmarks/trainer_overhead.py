@@ -64,7 +64,7 @@ def trainer_loop(template: TinyMLP, steps: int, extras: bool) -> float:
     loader = make_loader(steps)
     with tempfile.TemporaryDirectory() as root:
         trainer = tk.Trainer(
-            max_epochs=1, logger=extras, enable_progress_bar=extras, enable_checkpointing=extras,
+            accelerator="cpu", max_epochs=1, logger=extras, enable_progress_bar=extras, enable_checkpointing=extras,
             num_sanity_val_steps=0, default_root_dir=root, log_every_n_steps=50,
         )
         start = time.perf_counter()

@@ -13,6 +13,16 @@ from torchmetrics import MeanSquaredError
 import trainkit as tk
 from trainkit.callbacks import Callback
 
+# Where a one-process Trainer with accelerator="auto" trains: references are built and compared there.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def accelerator_for(world_size: int) -> str:
+    """The accelerator for a run of ``world_size`` ranks on this machine: "auto" (CUDA where there is a GPU)
+    when every rank can have a GPU of its own or there is no GPU at all, "cpu" (gloo) otherwise."""
+    gpus = torch.cuda.device_count()
+    return "auto" if gpus == 0 or gpus >= world_size else "cpu"
+
 
 def regression_data(n: int = 64, dim: int = 8, seed: int = 0) -> TensorDataset:
     gen = torch.Generator().manual_seed(seed)
@@ -193,7 +203,7 @@ class Routed(nn.Module):
         self.common, self.rare, self.never = nn.Linear(8, 1), nn.Linear(8, 1), nn.Linear(8, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(x.shape[0], 1, dtype=x.dtype)
+        out = torch.zeros(x.shape[0], 1, dtype=x.dtype, device=x.device)
         route = x[:, 0] > 1.0
         if route.any():
             out[route] = self.rare(x[route])

@@ -91,7 +91,7 @@ class ResumableSampler(Sampler[int]):
             gen = torch.Generator().manual_seed(self.seed + self.epoch)
             order = torch.randperm(self.length, generator=gen)
         else:
-            order = torch.arange(self.length)
+            order = torch.arange(self.length, device="cpu")
         total = self.per_rank * self.world_size if self.pad or self.drop_last else self.length
         if total > self.length:
             order = torch.cat([order, order.repeat(math.ceil(total / self.length))[: total - self.length]])

@@ -118,12 +118,12 @@ def _launch(devices: int, timeout_s: float) -> None:
     threads = os.environ.get("OMP_NUM_THREADS") or str(_threads_per_rank(devices))
     torch.set_num_threads(int(threads))
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(devices),
-            "OMP_NUM_THREADS": threads}
+            "LOCAL_WORLD_SIZE": str(devices), "OMP_NUM_THREADS": threads}
     for rank in range(1, devices):
         env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "TRAINKIT_LAUNCHED": "1"}
         _children.append(subprocess.Popen(_command(), env=env))
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(devices),
-                       "RANK": "0", "LOCAL_RANK": "0", "TRAINKIT_LAUNCHED": "1"})
+                       "LOCAL_WORLD_SIZE": str(devices), "RANK": "0", "LOCAL_RANK": "0", "TRAINKIT_LAUNCHED": "1"})
     global _grace_s
     _grace_s = timeout_s + 30.0
     atexit.register(wait_children)
@@ -162,7 +162,10 @@ def connect(accelerator: str, devices: int, num_nodes: int, timeout_s: float) ->
     slurm = _slurm_env()
     if slurm is not None and "WORLD_SIZE" not in os.environ:
         os.environ.update(slurm)
-    if "WORLD_SIZE" not in os.environ and devices * num_nodes > 1:
+    launching = "WORLD_SIZE" not in os.environ and devices * num_nodes > 1
+    local = devices if launching else int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    Environment.check_gpu_count(local, accelerator)  # before any process is started or group is made
+    if launching:
         if num_nodes > 1:
             raise RuntimeError(
                 f"num_nodes={num_nodes} needs a multi-node launcher: start the run with torchrun "

@@ -81,7 +81,9 @@ class Results:
             if batch_size is None:
                 batch_size = infer_batch_size(self.batch) or 1
             weight = float(batch_size)
-            value = torch.as_tensor(value, dtype=torch.float64).reshape(())
+            # aggregate on the device of the first value (a CUDA loss stays on the GPU, no sync per step)
+            device = entry.total.device if entry.total is not None else None
+            value = torch.as_tensor(value, dtype=torch.float64, device=device).reshape(())
             fx = entry.reduce_fx
             if entry.total is None:
                 entry.total = value * weight if fx == "mean" else value.clone()
@@ -124,7 +126,8 @@ class Results:
                 total, weight = e.total, e.weight
                 if e.sync_dist:
                     if e.reduce_fx == "mean":
-                        pair = self._reduce(torch.stack([total, torch.tensor(weight, dtype=total.dtype)]), "sum")
+                        weights = torch.tensor(weight, dtype=total.dtype, device=total.device)
+                        pair = self._reduce(torch.stack([total, weights]), "sum")
                         total, weight = pair[0], pair[1]
                     else:
                         total = self._reduce(total, e.reduce_fx)

@@ -228,7 +228,8 @@ class Trainer:
     def callback_metrics(self) -> dict[str, torch.Tensor]:
         """Latest logged values on this rank (epoch aggregates after each epoch/validation), as 0-d
         tensors like Lightning's."""
-        return {k: torch.tensor(v) for k, v in self._results.local_values(prog_bar_only=False).items()}
+        values = self._results.local_values(prog_bar_only=False)
+        return {k: torch.tensor(v, device="cpu") for k, v in values.items()}
 
     @property
     def progress_bar_metrics(self) -> dict[str, float]:
@@ -260,7 +261,7 @@ class Trainer:
     @property
     def logged_metrics(self) -> dict[str, torch.Tensor]:
         """The latest value of every metric sent to the loggers, as 0-d tensors."""
-        return {k: torch.tensor(v) for k, v in self._logged_metrics.items()}
+        return {k: torch.tensor(v, device="cpu") for k, v in self._logged_metrics.items()}
 
     @property
     def local_rank(self) -> int:

@@ -53,16 +53,38 @@ class Environment:
     timeout_s: float = 1800.0
 
     @staticmethod
-    def resolve_device(accelerator: str, local_rank: int = 0) -> torch.device:
+    def accelerator_type(accelerator: str) -> str:
+        """"cpu" or "cuda": what ``accelerator`` ("auto" included) means on this machine."""
         if accelerator == "auto":
-            accelerator = "cuda" if torch.cuda.is_available() else "cpu"
-        if accelerator == "cuda":
-            if not torch.cuda.is_available():
-                raise RuntimeError("accelerator='cuda' was requested but CUDA is not available; use 'cpu'.")
-            return torch.device("cuda", local_rank % torch.cuda.device_count())
-        if accelerator == "cpu":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if accelerator not in ("cpu", "cuda"):
+            raise ValueError(f"Unknown accelerator {accelerator!r}; choose 'cpu', 'cuda' or 'auto'.")
+        if accelerator == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("accelerator='cuda' was requested but CUDA is not available; use 'cpu'.")
+        return accelerator
+
+    @staticmethod
+    def check_gpu_count(ranks_on_node: int, accelerator: str) -> None:
+        """Fail, naming both numbers and the fix, when more ranks would run on this machine than it has GPUs:
+        NCCL needs one GPU per rank (two ranks on one GPU end in "Duplicate GPU detected")."""
+        if Environment.accelerator_type(accelerator) != "cuda":
+            return
+        visible = torch.cuda.device_count()
+        if ranks_on_node > visible:
+            raise RuntimeError(
+                f"{ranks_on_node} processes on this machine would run on CUDA (accelerator={accelerator!r}), but "
+                f"{visible} GPU{'s are' if visible != 1 else ' is'} visible: each rank needs a GPU of its own. Use "
+                f"--trainer.devices {visible} (devices={visible}), or --trainer.accelerator cpu "
+                f"(accelerator='cpu') to run {ranks_on_node} processes on the CPU."
+            )
+
+    @staticmethod
+    def resolve_device(accelerator: str, local_rank: int = 0) -> torch.device:
+        """This rank's device: ``cuda:<local_rank>`` (one GPU per rank), or the CPU."""
+        if Environment.accelerator_type(accelerator) == "cpu":
             return torch.device("cpu")
-        raise ValueError(f"Unknown accelerator {accelerator!r}; choose 'cpu', 'cuda' or 'auto'.")
+        Environment.check_gpu_count(local_rank + 1, accelerator)
+        return torch.device("cuda", local_rank)
 
     @classmethod
     def from_env(cls, accelerator: str = "auto", timeout_s: float = 1800.0) -> Environment:

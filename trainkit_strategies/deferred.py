@@ -142,7 +142,7 @@ class InitRecorder(TorchFunctionMode):
 
     @staticmethod
     def _advance(func: Any, args: tuple, kwargs: dict) -> None:
-        scratch = partial(_on_cpu, lambda t: torch.zeros(t.shape, dtype=t.dtype))
+        scratch = partial(_on_cpu, lambda t: torch.zeros(t.shape, dtype=t.dtype, device="cpu"))
         with torch.device("cpu"):
             func(*tree_map(scratch, args), **tree_map(scratch, kwargs))
 

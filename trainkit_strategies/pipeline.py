@@ -107,10 +107,9 @@ class _Channel:
         handles = []
         if known is None:
             self.shapes[key] = meta
-            header = torch.zeros(_HEADER, dtype=torch.int64)
-            header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
-            header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
-            handles.append(self.comm.send(header.to(self.device), self.peer))
+            fields = [tensor.dim(), _DTYPES.index(tensor.dtype), *tensor.shape]
+            header = torch.tensor(fields + [0] * (_HEADER - len(fields)), dtype=torch.int64, device=self.device)
+            handles.append(self.comm.send(header, self.peer))
         elif known != meta:
             raise RuntimeError(
                 f"pipeline: a stage produced {meta} for a micro-batch whose input shapes produced {known} before; "
@@ -259,7 +258,7 @@ class PipelineStrategy(Strategy, RunsSchedule):
         with torch.no_grad():
             for p in names:
                 if p not in stage_of or self.stage not in stage_of[p]:
-                    p.data = torch.empty(0, dtype=p.dtype)  # another stage's: this rank never runs it
+                    p.data = torch.empty(0, dtype=p.dtype, device=self.device)  # another stage's: never run here
         self._stage = _Stage(layers[bounds[self.stage] : bounds[self.stage + 1]])
         buffer_names = {id(b): n for n, b in st.persistent_buffers(module)}
         self._to_global = {n: names[p] for n, p in self._stage.named_parameters()}
@@ -390,9 +389,9 @@ class PipelineStrategy(Strategy, RunsSchedule):
                     loss, n = self._items(module.pipeline_loss(out, chunk), chunk)
                     metrics = {loss_name: loss}
                 for name, value in metrics.items():
-                    total, weight = totals.get(name, (torch.zeros((), dtype=torch.float64), 0.0))
-                    totals[name] = (total + torch.as_tensor(value).detach().double().cpu() * float(n),
-                                    weight + float(n))
+                    total, weight = totals.get(name, (torch.zeros((), dtype=torch.float64, device="cpu"), 0.0))
+                    value = torch.as_tensor(value, dtype=torch.float64, device="cpu").detach()
+                    totals[name] = (total + value * float(n), weight + float(n))
         for handle in sends:
             handle.wait()
         result = {k: total / max(weight, 1.0) for k, (total, weight) in totals.items()} if self.last else None

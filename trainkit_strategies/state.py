@@ -232,7 +232,7 @@ def load_optimizer(layout: StateLayout, reader: Reader, groups: Sequence[dict]) 
             if shape == ():
                 entry[state_key] = reader.read(f"optim/{names[0]}/{state_key}", 0, 1).reshape(())
             elif math.prod(shape) == math.prod(layout.shapes[names[0]]):
-                buf = torch.empty(holder.tensor.numel(), dtype=dtype)
+                buf = torch.empty(holder.tensor.numel(), dtype=dtype, device=holder.tensor.device)
                 _fill(holder, buf, lambda n, k=state_key: f"optim/{n}/{k}", reader)
                 entry[state_key] = buf.view_as(holder.tensor)
             else:

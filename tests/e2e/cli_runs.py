@@ -10,16 +10,20 @@ from pathlib import Path
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.helpers import accelerator_for
 from trainkit.checkpoint import CheckpointReader
 
 ROOT = Path(__file__).resolve().parents[2]
+# Runs compared with each other use up to 3 ranks: all of them run where 3 ranks can (CUDA only with 3 GPUs).
+ACCELERATOR = accelerator_for(3)
 
 
 def fit(root: Path, strategy: str, devices: int, max_steps: int, batch: int, sequences: int = 640,
         extra: tuple[str, ...] = (), schedule: int = 20) -> str:
     """A small demo run; the LR schedule spans ``schedule`` steps, so stopping before is an interruption."""
     cmd = [
-        sys.executable, "-m", "trainkit.cli", "fit", "--trainer.devices", str(devices), "--trainer.strategy",
+        sys.executable, "-m", "trainkit.cli", "fit", "--trainer.accelerator", ACCELERATOR,
+        "--trainer.devices", str(devices), "--trainer.strategy",
         strategy, "--trainer.max_steps", str(max_steps), "--trainer.default_root_dir", str(root),
         "--trainer.enable_progress_bar", "false", "--trainer.log_every_n_steps", "1", "--trainer.timeout_s", "120",
         "--trainer.val_check_interval", "10", "--trainer.callbacks+=ModelCheckpoint",

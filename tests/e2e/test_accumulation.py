@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from tests.helpers import (
+    DEVICE,
     MaskedRegression,
     MaskedSequences,
     Regression,
@@ -31,11 +32,12 @@ def _windows(dataset, batch: int, k: int) -> list[list]:
 
 
 def _reference(net, dataset, batch: int, k: int, epochs: int, loss_fn, clip: float | None = None):
-    net = copy.deepcopy(net)
+    """The hand-written loop, on the device the trainer ran on."""
+    net = copy.deepcopy(net).to(DEVICE)
     opt = adamw_groups(net)
     for _ in range(epochs):
         for window in _windows(dataset, batch, k):
-            cat = [torch.cat(parts) for parts in zip(*window, strict=True)]
+            cat = [torch.cat(parts).to(DEVICE) for parts in zip(*window, strict=True)]
             opt.zero_grad()
             loss_fn(net, cat).backward()
             if clip is not None:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import trainkit as tk
+from tests.helpers import DEVICE, accelerator_for
 from trainkit.checkpoint import CheckpointReader, latest
 from trainkit.cli import main
 
@@ -45,17 +46,17 @@ def test_main_with_a_fixed_module_trains_like_a_plain_loop(tmp_path):
                           "--trainer.seed", "3", "--trainer.enable_progress_bar", "false",
                           "--trainer.default_root_dir", str(tmp_path)])
     torch.manual_seed(3)
-    ref = Regressor(lr=0.02, hidden=12)
+    ref = Regressor(lr=0.02, hidden=12).to(DEVICE)  # where the trainer ran (accelerator "auto")
     opt = torch.optim.AdamW(ref.parameters(), lr=0.02)
     for _ in range(2):
         for x, y in DataLoader(_data(), batch_size=16):
-            F.mse_loss(ref.net(x), y).backward()
+            F.mse_loss(ref.net(x.to(DEVICE)), y.to(DEVICE)).backward()
             opt.step()
             opt.zero_grad()
     reader = CheckpointReader(latest(tmp_path / "checkpoints"))
     assert reader.meta["loop"]["global_step"] == 12 and reader.meta["hyperparameters"]["hidden"] == 12
     for name, param in ref.named_parameters():
-        torch.testing.assert_close(reader.full(f"model/{name}"), param.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(reader.full(f"model/{name}"), param.detach().cpu(), rtol=0, atol=0)
 
 
 class NoArguments(Regressor):
@@ -78,12 +79,12 @@ def test_own_shuffled_loader_trains_like_a_plain_loop(tmp_path):
                          enable_progress_bar=False, default_root_dir=tmp_path)
     trainer.fit(module, DataLoader(_data(), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(9)))
     torch.manual_seed(4)
-    ref = Regressor(lr=0.02)
+    ref = Regressor(lr=0.02).to(DEVICE)
     opt = torch.optim.AdamW(ref.parameters(), lr=0.02)
     loader = DataLoader(_data(), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(9))
     for _ in range(3):
         for x, y in loader:
-            F.mse_loss(ref.net(x), y).backward()
+            F.mse_loss(ref.net(x.to(DEVICE)), y.to(DEVICE)).backward()
             opt.step()
             opt.zero_grad()
     for got, want in zip(module.parameters(), ref.parameters(), strict=True):
@@ -98,7 +99,8 @@ def test_examples_gpt_trains_on_a_text_file_sharded_and_samples(tmp_path):
     small = ["--model.n_layer", "1", "--model.n_embd", "32", "--model.block_size", "32", "--data.block_size", "32",
              "--data.batch_size", "8"]
     fit = subprocess.run(
-        [sys.executable, script, "fit", "--data.path", str(text), "--trainer.devices", "2", "--trainer.strategy",
+        [sys.executable, script, "fit", "--data.path", str(text), "--trainer.accelerator", accelerator_for(2),
+         "--trainer.devices", "2", "--trainer.strategy",
          "fsdp", "--trainer.max_steps", "6", "--trainer.val_check_interval", "3", "--trainer.timeout_s", "120",
          "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path), *small],
         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
@@ -166,7 +168,7 @@ def test_test_subcommand_prints_the_same_results_under_pipeline(tmp_path):
     script.write_text(USER_SCRIPT)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     common = ["--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path),
-              "--trainer.timeout_s", "120"]
+              "--trainer.timeout_s", "120", "--trainer.accelerator", accelerator_for(2)]  # compared: one device type
 
     def run(*args: str) -> str:
         proc = subprocess.run([sys.executable, str(script), *args, *common], capture_output=True, text=True,

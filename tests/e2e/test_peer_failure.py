@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import accelerator_for
 from trainkit.checkpoint import CheckpointReader
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = [
-    "--trainer.devices", "2", "--trainer.strategy", "ddp", "--trainer.enable_progress_bar", "false",
+    "--trainer.accelerator", accelerator_for(2), "--trainer.devices", "2", "--trainer.strategy", "ddp",
+    "--trainer.enable_progress_bar", "false",
     "--data", "trainkit.demo.markov.MarkovData", "--data.train_sequences", "640", "--data.val_sequences", "64",
     "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps", "10",
     "--trainer.max_steps", "20", "--trainer.logger", "false",
@@ -53,7 +55,7 @@ import trainkit as tk
 if os.environ.get("RANK") == "1":
     raise ImportError("simulated: a package is missing on rank 1")
 if __name__ == "__main__":
-    tk.Trainer(devices=2, logger=False, timeout_s=600)
+    tk.Trainer(devices=2, accelerator="cpu", logger=False, timeout_s=600)
     print("joined")
 '''
 
@@ -73,7 +75,8 @@ def test_a_rank_that_dies_before_joining_stops_rank_zero_at_once(tmp_path):
 
 def test_devices_from_python_c_says_to_use_a_script(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, "-c", "import trainkit as tk; tk.Trainer(devices=2, logger=False)"],
+    code = "import trainkit as tk; tk.Trainer(devices=2, accelerator='cpu', logger=False)"
+    proc = subprocess.run([sys.executable, "-c", code],
                           capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert proc.returncode == 1
     assert "cannot be re-run. Put the training code in a script" in proc.stderr, proc.stderr[-3000:]

@@ -96,12 +96,12 @@ import torch
 from torch.utils.data import DataLoader
 import trainkit as tk
 from tests.e2e.test_trainer_state import Gathering
-from tests.helpers import regression_data
+from tests.helpers import accelerator_for, regression_data
 
 if __name__ == "__main__":
     module = Gathering()
-    trainer = tk.Trainer(devices=2, strategy="ddp", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, timeout_s=120)
+    trainer = tk.Trainer(devices=2, accelerator=accelerator_for(2), strategy="ddp", logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, timeout_s=120)
     trainer.validate(module, DataLoader(regression_data(48), batch_size=8), verbose=False)
     rows = module.gathered["loss"]
     if trainer.is_global_zero:

@@ -37,6 +37,7 @@ from tests.helpers import (
     Regression,
     RoutedRegression,
     ValidatedRegression,
+    accelerator_for,
     regression_data,
     sequence_regression_data,
 )
@@ -128,7 +129,8 @@ class Probe(Callback):
 
     def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
         if not self.record_comm:
-            self.grads.append({k: v.detach().float().clone() for k, v in trainer.strategy.full_gradients().items()})
+            grads = trainer.strategy.full_gradients()
+            self.grads.append({k: v.detach().to("cpu", torch.float32, copy=True) for k, v in grads.items()})
 
 
 def _module_and_data(case: Case, world_size: int) -> tuple[Any, Any]:
@@ -155,14 +157,14 @@ def _module_and_data(case: Case, world_size: int) -> tuple[Any, Any]:
     return (ValidatedRegression() if case.model == "validated" else Regression()), regression_data(samples)
 
 
-def run_case(case: Case, world_size: int, per_rank_batch: int) -> Result:
-    """Train ``case`` on this process's rank (world taken from the environment)."""
+def run_case(case: Case, world_size: int, per_rank_batch: int, accelerator: str) -> Result:
+    """Train ``case`` on this process's rank (world taken from the environment) on ``accelerator``."""
     module, data = _module_and_data(case, world_size)
     probe = Probe(case.record_comm, case.init_scale)
     strategy = get_strategy(case.strategy, **case.options)
     val = DataLoader(regression_data(13, seed=5), batch_size=per_rank_batch) if case.validate else None
     trainer = Trainer(
-        activation_checkpointing=[Block] if case.checkpointing else None,
+        accelerator=accelerator, activation_checkpointing=[Block] if case.checkpointing else None,
         val_check_interval=5 if case.validate else None,
         strategy=strategy, precision=case.precision, accumulate_grad_batches=case.accumulate,
         gradient_clip_val=case.clip, max_steps=case.steps, seed=0, logger=False, enable_progress_bar=False,
@@ -170,24 +172,25 @@ def run_case(case: Case, world_size: int, per_rank_batch: int) -> Result:
         default_root_dir=tempfile.gettempdir(),
     )
     trainer.fit(module, DataLoader(data, batch_size=per_rank_batch, shuffle=True), val)
-    params = {k: v.detach().float().clone() for k, v in strategy.full_parameters().items()}
+    params = {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in strategy.full_parameters().items()}
     psi = sum(p.numel() for p in module.parameters())
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
-    buffers = {n: b.detach().float().clone() for n, b in module.named_buffers() if b.is_floating_point()}
+    buffers = {n: b.detach().to("cpu", torch.float32, copy=True) for n, b in module.named_buffers()
+               if b.is_floating_point()}
     if buffers:
         params |= {f"buffer:{n}": b for n, b in buffers.items()}
-        everyone = strategy.all_gather_object({n: b.cpu() for n, b in buffers.items()})
-        metrics["buffer_spread"] = max(float((theirs[n] - b.cpu()).abs().max()) for theirs in everyone
+        everyone = strategy.all_gather_object(buffers)
+        metrics["buffer_spread"] = max(float((theirs[n] - b).abs().max()) for theirs in everyone
                                        for n, b in buffers.items())
     peaks = strategy.all_gather_object(getattr(strategy, "activation_peak", {}))
     return Result(probe.losses, probe.grads, params, probe.comm, psi, metrics, peaks)
 
 
 def run_reference(case: Case, world_size: int) -> Result:
-    """The single-process run on the whole global batch."""
+    """The single-process run on the whole global batch, on the device type the ranks ran on."""
     single = Case(**{**asdict(case), "strategy": "single", "options": {}})
     replicas = case.replicas(world_size)
-    return run_case(single, replicas, case.per_rank_batch * replicas)
+    return run_case(single, replicas, case.per_rank_batch * replicas, accelerator_for(world_size))
 
 
 def _save(result: Result, path: Path) -> None:
@@ -215,7 +218,7 @@ def _worker(rank: int, world_size: int, port: int, cases: list[Case], out: str) 
     torch.set_num_threads(1)
     for case in cases:
         try:
-            result = run_case(case, world_size, case.per_rank_batch)
+            result = run_case(case, world_size, case.per_rank_batch, accelerator_for(world_size))
         except Exception:
             Path(out, f"{case.name}.error").write_text(traceback.format_exc())
             raise

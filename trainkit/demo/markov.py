@@ -33,7 +33,7 @@ class MarkovChain:
 
     def _stationary(self, iters: int = 10_000, tol: float = 1e-15) -> Tensor:
         v = self.vocab_size
-        pi = torch.full((v, v), 1.0 / v**2, dtype=torch.float64)
+        pi = torch.full((v, v), 1.0 / v**2, dtype=torch.float64, device="cpu")
         for _ in range(iters):
             nxt = torch.einsum("ab,abc->bc", pi, self.transition)
             if (nxt - pi).abs().max() < tol:
@@ -53,7 +53,7 @@ class MarkovChain:
         gen = torch.Generator().manual_seed(seed)
         v = self.vocab_size
         pairs = torch.multinomial(self.pair_stationary.flatten(), num_sequences, replacement=True, generator=gen)
-        out = torch.empty(num_sequences, length, dtype=torch.long)
+        out = torch.empty(num_sequences, length, dtype=torch.long, device="cpu")
         out[:, 0], out[:, 1] = pairs // v, pairs % v
         flat = self.transition.reshape(v * v, v)
         for t in range(2, length):
