@@ -30,8 +30,8 @@ def offloaded(numel: int, precision: str) -> tuple[Callable[[], None], int]:
     strategy = get_strategy("zero_offload")
     strategy.setup_environment(Environment())
     strategy.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), Precision.from_name(precision))
-    for g in strategy._groups:
-        g.grad.normal_()
+    for grads in strategy.grads.buffers:
+        grads.normal_()
     return strategy.step_shards, sum(p.numel() for p in model.parameters())
 
 

@@ -1,10 +1,10 @@
 """Flat buffers split into equal pieces across ranks, and in-order launching of their collectives.
 
 Shared by every strategy that communicates gradients or parameters in buckets (DDP, ZeRO-1/2,
-ZeRO-3/FSDP): a ``FlatUnit`` lays whole parameters end to end, pads the total to a multiple of
+ZeRO-3/FSDP): a ``FlatBucket`` lays whole parameters end to end, pads the total to a multiple of
 ``world_size * ALIGN`` elements, and gives rank ``r`` the ``r``-th equal piece. One reduce-scatter of
-the unit hands every rank the reduced gradients of its piece; one all-gather of the pieces rebuilds the
-unit. ``Segment``s say which parameter elements a piece holds, which is what universal checkpoints store.
+the bucket hands every rank the reduced gradients of its piece; one all-gather of the pieces rebuilds the
+bucket. ``Segment``s say which parameter elements a piece holds, which is what universal checkpoints store.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ ALIGN = 16  # elements: pieces start on 64-byte boundaries for fp32 (32 for bf16
 
 
 @dataclass(eq=False)
-class FlatUnit:
+class FlatBucket:
     """Parameters ``params`` (named ``names``) at ``offsets`` of a flat buffer of ``padded`` elements."""
 
     params: list[Tensor]
@@ -31,13 +31,13 @@ class FlatUnit:
     numel: int
     padded: int
     world_size: int
-    group: int = 0  # optimizer param group the unit belongs to
+    group: int = 0  # optimizer param group the bucket belongs to
     index: int = 0  # position in the launch order
-    start: int = 0  # where the unit sits in its group's flat buffer
+    start: int = 0  # where the bucket sits in its group's flat buffer
     shard_start: int = 0  # where this rank's piece sits in its group's flat shard
 
     @classmethod
-    def build(cls, params: Sequence[Tensor], names: Sequence[str], world_size: int, group: int = 0) -> FlatUnit:
+    def build(cls, params: Sequence[Tensor], names: Sequence[str], world_size: int, group: int = 0) -> FlatBucket:
         offsets, total = [], 0
         for p in params:
             offsets.append(total)
@@ -47,7 +47,7 @@ class FlatUnit:
         return cls(list(params), list(names), offsets, total, padded, world_size, group)
 
     def param_views(self, flat: Tensor) -> list[Tensor]:
-        """Each parameter's slice of ``flat`` (this unit's buffer), shaped like the parameter."""
+        """Each parameter's slice of ``flat`` (this bucket's buffer), shaped like the parameter."""
         return [flat[off : off + p.numel()].view(p.shape) for p, off in zip(self.params, self.offsets, strict=True)]
 
     @property
@@ -139,18 +139,18 @@ class BucketReducer:
         self.buffer: Tensor | None = None
         self.pending: list[tuple[Handle, Tensor | None, Tensor]] = []
 
-    def fill(self, unit: FlatUnit) -> Tensor:
+    def fill(self, bucket: FlatBucket) -> Tensor:
         self.finish()
         if self.buffer is None:
             self.buffer = torch.empty(self.size, dtype=self.dtype, device=self.device)
-        source = self.buffer[: unit.padded]
-        for p, view in zip(unit.params, unit.param_views(source), strict=True):
+        source = self.buffer[: bucket.padded]
+        for p, view in zip(bucket.params, bucket.param_views(source), strict=True):
             if p.grad is None:  # not used in this backward on this rank
                 view.zero_()
             else:
                 view.copy_(p.grad)
                 p.grad = None
-        source[unit.numel :].zero_()
+        source[bucket.numel :].zero_()
         return source
 
     def reduce(self, source: Tensor, shard: Tensor, accumulate: bool) -> None:

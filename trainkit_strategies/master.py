@@ -1,7 +1,7 @@
 """Master weights for sharded strategies: one optimizer tensor per bucket piece, on the device or host.
 
 Every sharding strategy (ZeRO-1/2, ZeRO-3/FSDP) ends up with the same optimizer-side picture: for
-each ``FlatUnit`` this rank owns one piece, and the user's optimizer steps a master copy of that piece
+each ``FlatBucket`` this rank owns one piece, and the user's optimizer steps a master copy of that piece
 (fp32 under mixed precision). ``MasterShards`` allocates those pieces per optimizer param group, in one
 flat tensor per group and place (device first, then host under offload, split by ``ratio``), points
 the user's optimizer at them, hands them their gradients, and describes them for checkpoints.
@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
 from trainkit_strategies.base import sharded_norm
-from trainkit_strategies.flat import FlatUnit
+from trainkit_strategies.flat import FlatBucket
 
 _FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
@@ -53,35 +53,35 @@ class DeferredGradScale:
 
 
 class MasterShards:
-    """Master pieces for ``units`` (each with ``group`` set), laid out group by group.
+    """Master pieces for ``buckets`` (each with ``group`` set), laid out group by group.
 
     Args:
-        units: every unit, in a fixed order; ``unit.shard_start`` is assigned here.
+        buckets: every bucket, in a fixed order; ``bucket.shard_start`` is assigned here.
         groups: number of optimizer param groups.
         dtype: master dtype. device: compute device.
         offload: keep pieces in host memory (all but the first ``1 - ratio`` of each group's shard).
         host_grads: keep a host gradient buffer in the master dtype (when gradients need converting).
     """
 
-    def __init__(self, units: Sequence[FlatUnit], groups: int, dtype: torch.dtype, device: torch.device,
+    def __init__(self, buckets: Sequence[FlatBucket], groups: int, dtype: torch.dtype, device: torch.device,
                  offload: bool = False, ratio: float = 1.0, host_grads: bool = False) -> None:
-        self.units, self.offload = list(units), offload
+        self.buckets, self.offload = list(buckets), offload
         self.pieces: dict[int, Tensor] = {}
         self.on_host: set[int] = set()
         self.host_grad: dict[int, Tensor] = {}
         self.flats: list[Tensor] = []  # every allocation, for memory reports
         pin = offload and torch.cuda.is_available()
         for g in range(groups):
-            members = [u for u in self.units if u.group == g]
-            total = sum(u.piece for u in members)
+            members = [b for b in self.buckets if b.group == g]
+            total = sum(b.piece for b in members)
             budget, on_device, shard = (1.0 - ratio) * total if offload else total, [], 0
-            for u in members:
-                u.shard_start, shard = shard, shard + u.piece
-                if not offload or sum(v.piece for v in on_device) + u.piece <= budget:
-                    on_device.append(u)
-            on_host = [u for u in members if u not in on_device]
+            for b in members:
+                b.shard_start, shard = shard, shard + b.piece
+                if not offload or sum(v.piece for v in on_device) + b.piece <= budget:
+                    on_device.append(b)
+            on_host = [b for b in members if b not in on_device]
             for place, chosen in ((device, on_device), (torch.device("cpu"), on_host)):
-                size = sum(u.piece for u in chosen)
+                size = sum(b.piece for b in chosen)
                 if not size:
                     continue
                 host = place.type == "cpu" and offload
@@ -90,32 +90,32 @@ class MasterShards:
                     if host and host_grads else None
                 self.flats.append(flat)
                 offset = 0
-                for u in chosen:
-                    self.pieces[u.index] = flat[offset : offset + u.piece]
+                for b in chosen:
+                    self.pieces[b.index] = flat[offset : offset + b.piece]
                     if host:
-                        self.on_host.add(u.index)
+                        self.on_host.add(b.index)
                     if grads is not None:
-                        self.host_grad[u.index] = grads[offset : offset + u.piece]
-                    offset += u.piece
+                        self.host_grad[b.index] = grads[offset : offset + b.piece]
+                    offset += b.piece
 
-    def __getitem__(self, unit: FlatUnit) -> Tensor:
-        return self.pieces[unit.index]
+    def __getitem__(self, bucket: FlatBucket) -> Tensor:
+        return self.pieces[bucket.index]
 
     def retarget(self, optimizer: Optimizer) -> None:
-        """Point each param group at its units' pieces (one tensor per unit), keeping its hyperparameters;
+        """Point each param group at its buckets' pieces (one tensor per bucket), keeping its hyperparameters;
         under offload, use torch's fused kernel (CPU and CUDA) where the optimizer has one."""
         optimizer.state.clear()
         for g, group in enumerate(optimizer.param_groups):
-            group["params"] = [self.pieces[u.index] for u in self.units if u.group == g]
+            group["params"] = [self.pieces[b.index] for b in self.buckets if b.group == g]
             if self.offload and isinstance(optimizer, _FUSED) and "fused" in group:
                 group["fused"], group["foreach"] = True, False
 
-    def step(self, optimizer: Optimizer, grad_of: Callable[[FlatUnit], Tensor], scale: float | Tensor = 1.0) -> None:
+    def step(self, optimizer: Optimizer, grad_of: Callable[[FlatBucket], Tensor], scale: float | Tensor = 1.0) -> None:
         """Give every piece its reduced gradient (moved, converted, then multiplied by ``scale``) and step."""
         copied_to_host = False
-        for u in self.units:
-            piece, grad = self.pieces[u.index], grad_of(u)
-            host = self.host_grad.get(u.index)
+        for b in self.buckets:
+            piece, grad = self.pieces[b.index], grad_of(b)
+            host = self.host_grad.get(b.index)
             if host is not None:  # a persistent host buffer: a fresh host allocation costs more than the step
                 piece.grad = host.copy_(grad, non_blocking=True)
                 copied_to_host = copied_to_host or grad.device.type == "cuda"
@@ -131,9 +131,9 @@ class MasterShards:
 
     def holders(self, rank: int, optimizer: Optimizer | None) -> tuple[list[st.Holder], list[st.Holder]]:
         """Holders of every piece (model state), and of the optimizer's params in its param-group order."""
-        holder = {u.index: st.Holder(self.pieces[u.index], tuple(u.segments(rank)), True) for u in self.units}
+        holder = {b.index: st.Holder(self.pieces[b.index], tuple(b.segments(rank)), True) for b in self.buckets}
         groups = len(optimizer.param_groups) if optimizer is not None else 0
-        ordered = [holder[u.index] for g in range(groups) for u in self.units if u.group == g]
+        ordered = [holder[b.index] for g in range(groups) for b in self.buckets if b.group == g]
         return list(holder.values()), ordered
 
     def split(self, optimizer: Optimizer | None) -> dict[str, dict[str, list[Tensor]]]:

@@ -35,7 +35,8 @@ from trainkit_strategies.precision import Precision
 from trainkit_strategies.registry import get_strategy
 from trainkit_strategies.schedules import SCHEDULES, partition
 
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool]
+_WIRE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
+                torch.bool]  # a header's dtype code is an index here
 _HEADER = 8  # ndim, dtype code, up to 6 dims
 
 
@@ -107,7 +108,7 @@ class _Channel:
         handles = []
         if known is None:
             self.shapes[key] = meta
-            fields = [tensor.dim(), _DTYPES.index(tensor.dtype), *tensor.shape]
+            fields = [tensor.dim(), _WIRE_DTYPES.index(tensor.dtype), *tensor.shape]
             header = torch.tensor(fields + [0] * (_HEADER - len(fields)), dtype=torch.int64, device=self.device)
             handles.append(self.comm.send(header, self.peer))
         elif known != meta:
@@ -133,7 +134,7 @@ class _Channel:
         if key not in self.shapes:
             header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
             self.comm.recv(header, self.peer).wait()
-            self.shapes[key] = (tuple(header[2 : 2 + int(header[0])].tolist()), _DTYPES[int(header[1])])
+            self.shapes[key] = (tuple(header[2 : 2 + int(header[0])].tolist()), _WIRE_DTYPES[int(header[1])])
         shape, dtype = self.shapes[key]
         buffer = torch.empty(shape, dtype=dtype, device=self.device)
         self.comm.recv(buffer, self.peer).wait()

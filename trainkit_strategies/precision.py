@@ -14,6 +14,8 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
+DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+               "fp16": torch.float16, "float16": torch.float16}  # what options such as ``reduce_dtype`` accept
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ _BUILTIN = {
     "zero1": "trainkit_strategies.zero:Zero1Strategy",
     "zero2": "trainkit_strategies.zero:Zero2Strategy",
     "zero_offload": "trainkit_strategies.zero:ZeroOffloadStrategy",
-    "zero3": "trainkit_strategies.sharded:Zero3Strategy",
+    "zero3": "trainkit_strategies.zero3:Zero3Strategy",
     "fsdp": "trainkit_strategies.fsdp:FSDPStrategy",
     "pipeline": "trainkit_strategies.pipeline:PipelineStrategy",
 }

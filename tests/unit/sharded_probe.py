@@ -60,12 +60,13 @@ def main() -> None:
     reset_peak()  # earlier peaks (imports, the warm-up) must not count
     strategy.setup(model, optimizer, Precision.from_name(precision))
     peak = peak_bytes() - before
-    psi = sum(f.numel for f in strategy._flats)
-    unit = max(sum(f.padded for f in u.flats) for u in strategy.units) * 4
+    layouts = [b.layout for b in strategy.buckets]
+    psi = sum(f.numel for f in layouts)
+    unit = max(sum(b.layout.padded for b in u.buckets) for u in strategy.units) * 4
     report = strategy.memory_report()
     print(json.dumps({
         "psi": psi, "full_fp32": 4 * psi, "unit_fp32": unit, "peak_rss_delta": peak,
-        "shard_elements": sum(f.piece for f in strategy._flats), "device": report.device, "host": report.host,
+        "shard_elements": sum(f.piece for f in layouts), "device": report.device, "host": report.host,
         "meta_left": sum(p.is_meta for p in model.parameters()),
     }))
 

@@ -44,7 +44,7 @@ def _stepped(name: str, world: int, precision: str = "bf16-mixed"):
 
 def _padded(strategy) -> tuple[int, int]:
     """Elements of all buckets (padding included) and of this rank's shard."""
-    padded = sum(u.padded for u in strategy._units)
+    padded = sum(u.padded for u in strategy.buckets)
     return padded, padded // strategy.world_size
 
 
@@ -56,7 +56,7 @@ def _adam_steps(strategy) -> int:
 def test_zero1_holds_4psi_plus_12psi_over_n(fake_world):
     strategy, psi = _stepped("zero1", fake_world)
     padded, shard = _padded(strategy)
-    assert padded - psi < len(strategy._units) * fake_world * ALIGN
+    assert padded - psi < len(strategy.buckets) * fake_world * ALIGN
     report = strategy.memory_report()
     assert report.device == {"params": 2 * padded, "grads": 2 * padded, "master": 4 * shard,
                              "optimizer": 8 * shard + _adam_steps(strategy), "buffers": 0}
@@ -70,7 +70,7 @@ def test_zero2_holds_2psi_plus_14psi_over_n(fake_world):
     strategy, psi = _stepped("zero2", fake_world)
     padded, shard = _padded(strategy)
     report = strategy.memory_report()
-    bucket = 2 * max(u.padded for u in strategy._units)  # the one reusable reduce-scatter buffer
+    bucket = 2 * max(u.padded for u in strategy.buckets)  # the one reusable reduce-scatter buffer
     assert report.device == {"params": 2 * padded, "grads": 2 * shard + bucket, "master": 4 * shard,
                              "optimizer": 8 * shard + _adam_steps(strategy), "buffers": 0}
     assert report.device_total == 2 * padded + 14 * shard + bucket + _adam_steps(strategy)
@@ -83,10 +83,10 @@ def test_zero_offload_moves_master_and_optimizer_state_to_host(fake_world):
     strategy, _ = _stepped("zero_offload", fake_world)
     padded, shard = _padded(strategy)
     report = strategy.memory_report()
-    assert report.device_total == 2 * padded + 2 * shard + 2 * max(u.padded for u in strategy._units)
+    assert report.device_total == 2 * padded + 2 * shard + 2 * max(u.padded for u in strategy.buckets)
     # the fp32 gradients the host step reads stay allocated in host memory (cheap memory, no per-step faults)
     assert report.host == {"master": 4 * shard, "optimizer": 8 * shard + _adam_steps(strategy), "grads": 4 * shard}
-    assert strategy._master.on_host == {u.index for u in strategy._units}
+    assert strategy._master.on_host == {u.index for u in strategy.buckets}
 
 
 @pytest.mark.parametrize("fake_world", [2], indirect=True)

@@ -44,14 +44,15 @@ def test_model_state_is_16psi_over_n(fake_world, name):
     strategy.reduce_gradients(1.0 / fake_world)
     strategy.optimizer_step()
     strategy.zero_grad()
-    shard = sum(f.piece for f in strategy._flats)
-    assert shard * fake_world - psi < len(strategy._flats) * fake_world * 16  # padding only
-    bucket = 2 * max(f.padded for f in strategy._flats)  # the one reusable reduce-scatter buffer
+    layouts = [b.layout for b in strategy.buckets]
+    shard = sum(f.piece for f in layouts)
+    assert shard * fake_world - psi < len(layouts) * fake_world * 16  # padding only
+    bucket = 2 * max(f.padded for f in layouts)  # the one reusable reduce-scatter buffer
     steps = 4 * len(strategy.optimizer.state)  # Adam's step counters
     report = strategy.memory_report()
     assert report.device == {"params": 2 * shard, "grads": 2 * shard + bucket, "master": 4 * shard,
                              "optimizer": 8 * shard + steps, "buffers": 0}
-    assert all(t.untyped_storage().nbytes() == 0 for t in strategy._full.values())  # nothing left gathered
+    assert all(b.gathered.untyped_storage().nbytes() == 0 for b in strategy.buckets)  # nothing left gathered
     print(f"{name} N={fake_world}: {report.device_total} B for Ψ={psi} (16Ψ/N = {16 * psi // fake_world})")
 
 

@@ -1,0 +1,91 @@
+"""Sharding units: the module groups ZeRO-3 and FSDP gather together, and their flat buckets."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import Tensor, nn
+
+from trainkit_strategies.comm import Handle
+from trainkit_strategies.flat import FlatBucket
+
+
+@dataclass(eq=False)
+class ShardedBucket:
+    """One unit's parameters of one optimizer param group: layout, gather buffer, piece, gradient shard."""
+
+    layout: FlatBucket
+    unit: Unit
+    gathered: Tensor  # compute dtype, ``layout.padded`` elements while gathered, storage freed otherwise
+    shard: Tensor  # this rank's piece in the compute dtype (the master itself when the dtypes agree)
+    grad: Tensor | None = None  # this rank's gradient shard, in the reduce dtype (a view of one flat buffer)
+
+    @property
+    def index(self) -> int:
+        return self.layout.index
+
+
+@dataclass(eq=False)
+class Unit:
+    """Modules whose parameters are gathered together. The root unit has no modules (the strategy gathers
+    it for the whole step); a persistent unit stays gathered."""
+
+    index: int
+    modules: list[nn.Module]
+    buckets: list[ShardedBucket] = field(default_factory=list)
+    root: bool = False
+    persistent: bool = False
+    gathered: bool = False
+    handles: list[Handle] = field(default_factory=list)
+    forward_calls: int = 0
+    reduced_buckets: int = 0
+    pending_grads: int = 0  # gradients still to arrive in this backward (no-sync micro-steps)
+
+
+def assign_units(module: nn.Module, names: dict[Tensor, str], groups: list[list[nn.Module]],
+                 is_persistent: Callable[[Tensor], bool]) -> tuple[list[Unit], dict[int, list[Tensor]]]:
+    """The units of ``module`` (the root unit first, then one per entry of ``groups``, then the persistent
+    unit), each parameter given to one: the innermost unit among its owners' common ancestors, or the
+    persistent unit when ``is_persistent``. Returns the units that hold parameters, and each one's parameters."""
+    unit_of_module: dict[nn.Module, int] = {}
+    parent: dict[int, int] = {}
+
+    def visit(mod: nn.Module, current: int) -> None:
+        for index, members in enumerate(groups, start=1):
+            if any(mod is m for m in members):
+                parent.setdefault(index, current)
+                current = index
+                break
+        unit_of_module[mod] = current
+        for child in mod.children():
+            visit(child, current)
+
+    visit(module, 0)
+    units = [Unit(0, [], root=True)] + [Unit(i, list(m)) for i, m in enumerate(groups, start=1)]
+
+    def ancestors(index: int) -> list[int]:
+        chain = [index]
+        while chain[-1] != 0:
+            chain.append(parent[chain[-1]])
+        return chain
+
+    owners: dict[Tensor, list[nn.Module]] = {}
+    for mod in module.modules():
+        for p in mod._parameters.values():
+            if p is not None:
+                owners.setdefault(p, []).append(mod)
+    params_of: dict[int, list[Tensor]] = {u.index: [] for u in units}
+    persistent: list[Tensor] = []
+    for p in names:
+        if is_persistent(p):
+            persistent.append(p)
+            continue
+        chains = [ancestors(unit_of_module[m]) for m in owners[p]]
+        common = next(u for u in chains[0] if all(u in c for c in chains))
+        params_of[common].append(p)
+    if persistent:
+        units.append(Unit(len(units), [], persistent=True))
+        params_of[units[-1].index] = persistent
+    return [u for u in units if params_of[u.index]], params_of
+
