@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
@@ -149,3 +150,73 @@ def num_batches(loader: Iterable[Any], limit: int | float | None) -> float:
             raise ValueError("A fractional limit_*_batches needs a dataloader with a length.")
         return int(total * limit)
     return min(total, int(limit))
+
+
+class DataConnector:
+    """A run's dataloaders: where they come from, the sampler they get, and how batches reach the device.
+
+    Loaders passed to ``fit``/``validate``/... win over a DataModule's, which win over the module's own
+    ``*_dataloader`` methods. With ``use_distributed_sampler`` a loader's default sampler is replaced by
+    a ``ResumableSampler`` sharded by data-parallel rank (the stages of one pipeline replica share data).
+    """
+
+    _HOOKS = {"fit": "val_dataloader", "validate": "val_dataloader", "test": "test_dataloader",
+              "predict": "predict_dataloader"}
+
+    def __init__(self, strategy: Any, precision: Any, use_distributed_sampler: bool, seed: int) -> None:
+        self.strategy, self.precision = strategy, precision
+        self.use_distributed_sampler, self.seed = use_distributed_sampler, seed
+        self.train_dataloader: Any = None
+        self.val_dataloaders: list[Any] = []
+        self._source: Any = None
+        self._train_arg: Any = None
+
+    def prepare(self, source: Any, train: Any) -> None:
+        """A new run: ``source`` (a DataModule or the module) supplies what ``train`` (fit's loaders) does not."""
+        self._source, self._train_arg = source, train
+        self.train_dataloader, self.val_dataloaders = None, []
+
+    def connect(self, fn: str, evaluation: Any) -> None:
+        """Build the loaders ``fn`` ("fit", "validate", "test", "predict") uses; ``evaluation`` is the loaders
+        passed for validation/test/prediction, if any."""
+        if fn == "fit" and self.train_dataloader is None:
+            self.connect_train()
+        hook = self._HOOKS[fn]
+        loaders = evaluation if evaluation is not None else getattr(self._source, hook)()
+        if loaders is None:
+            loaders = []
+        elif isinstance(loaders, DataLoader):
+            loaders = [loaders]
+        if fn != "fit" and not loaders:
+            raise ValueError(f"No {fn} data: pass dataloaders, a datamodule, or implement {hook}() on the module.")
+        self.val_dataloaders = [self._rebuild(dl, shuffle=False, pad=False) for dl in loaders]
+
+    def connect_train(self) -> None:
+        loader = self._train_arg if self._train_arg is not None else self._source.train_dataloader()
+        if loader is None:
+            raise ValueError(
+                "No training data: pass train_dataloaders to fit(), a datamodule, or implement "
+                "train_dataloader() on the module."
+            )
+        self.train_dataloader = self._rebuild(loader, shuffle=None, pad=True)
+
+    def _rebuild(self, loader: Any, shuffle: bool | None, pad: bool) -> Any:
+        if not self.use_distributed_sampler:
+            return loader
+        return rebuild_loader(loader, shuffle, self.seed, self.strategy.dp_rank, self.strategy.dp_size, pad=pad)
+
+    @property
+    def moves_batches(self) -> bool:
+        """Whether batches need moving to the device or casting (to bf16 under "bf16-true")."""
+        return self.strategy.device.type != "cpu" or self.precision.converts_input
+
+    def to_device(self, batch: Any) -> Any:
+        """``batch`` on this rank's device, with the precision policy's input cast applied."""
+        return self.precision.convert_input(move_to_device(batch, self.strategy.device))
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    """Every tensor of ``batch`` on ``device`` (non-blocking: pinned host memory copies asynchronously)."""
+    if device.type == "cpu":
+        return batch
+    return apply_to_collection(batch, torch.Tensor, lambda t: t.to(device, non_blocking=True))

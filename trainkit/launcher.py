@@ -17,10 +17,8 @@ import socket
 import subprocess
 import sys
 import threading
-from typing import Any
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 
 from trainkit_strategies import Environment
 
@@ -181,8 +179,3 @@ def connect(accelerator: str, devices: int, num_nodes: int, timeout_s: float) ->
         )
     return env
 
-
-def move_to_device(batch: Any, device: torch.device) -> Any:
-    if device.type == "cpu":
-        return batch
-    return apply_to_collection(batch, torch.Tensor, lambda t: t.to(device, non_blocking=True))

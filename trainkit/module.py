@@ -104,8 +104,8 @@ class TrainModule(ModelHooks, nn.Module):
         """
         if self._trainer is None:
             return
-        self._trainer._results.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist,
-                                   batch_size)
+        self._trainer.results.log(name, value, prog_bar=prog_bar, logger=logger, on_step=on_step, on_epoch=on_epoch,
+                                  reduce_fx=reduce_fx, sync_dist=sync_dist, batch_size=batch_size)
 
     def log_dict(self, values: Mapping[str, Any], **kwargs: Any) -> None:
         for name, value in values.items():

@@ -36,32 +36,33 @@ class _Entry:
 
 
 class Results:
-    """Logged values of the current stage ("train", "validate", "test", "predict")."""
+    """Logged values, kept per loop ("train", "validate", "test", "predict"); ``loop`` is the running one."""
 
     def __init__(self, reduce: Callable[[Tensor, str], Tensor]) -> None:
         self._reduce = reduce
-        self.stage = "train"
+        self.loop = "train"
         self.batch: Any = None  # the batch being processed: epoch means weight by its size by default
         self.epoch_end = False  # inside an epoch-end hook: values default to per-epoch
         self._entries: dict[str, dict[str, _Entry]] = {}
 
     @property
     def entries(self) -> dict[str, _Entry]:
-        return self._entries.setdefault(self.stage, {})
+        return self._entries.setdefault(self.loop, {})
 
-    def reset(self, stage: str) -> None:
-        self._entries[stage] = {}
+    def reset(self, loop: str) -> None:
+        self._entries[loop] = {}
 
     def log(
-        self, name: str, value: Any, prog_bar: bool, logger: bool, on_step: bool | None,
-        on_epoch: bool | None, reduce_fx: str, sync_dist: bool, batch_size: int | None,
+        self, name: str, value: Any, *, prog_bar: bool = False, logger: bool = True, on_step: bool | None = None,
+        on_epoch: bool | None = None, reduce_fx: str = "mean", sync_dist: bool = False, batch_size: int | None = None,
     ) -> None:
+        """Record ``value`` under ``name`` (the options are ``TrainModule.log``'s)."""
         entries = self.entries
         entry = entries.get(name)
         if entry is None:
             if reduce_fx not in _REDUCE_FX:
                 raise ValueError(f"self.log({name!r}): reduce_fx={reduce_fx!r}; choose one of {_REDUCE_FX}.")
-            training = self.stage == "train" and not self.epoch_end
+            training = self.loop == "train" and not self.epoch_end
             entry = entries[name] = _Entry(
                 prog_bar, logger, training if on_step is None else on_step,
                 (not training) if on_epoch is None else on_epoch, reduce_fx, sync_dist,
@@ -113,7 +114,7 @@ class Results:
         return out
 
     def epoch_metrics(self) -> dict[str, float]:
-        """Aggregate and clear this stage's per-epoch values; every rank must call it."""
+        """Aggregate and clear the running loop's per-epoch values; every rank must call it."""
         out = {}
         for name, e in self.entries.items():
             if not e.on_epoch:
@@ -140,8 +141,8 @@ class Results:
     def local_values(self, prog_bar_only: bool) -> dict[str, float]:
         """Latest values on this rank (no communication): for progress bars and callbacks."""
         out = {}
-        for stage in self._entries.values():
-            for name, e in stage.items():
+        for entries in self._entries.values():
+            for name, e in entries.items():
                 if prog_bar_only and not e.prog_bar:
                     continue
                 if e.on_step and e.last is not None:

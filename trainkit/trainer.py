@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -15,26 +13,28 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from trainkit import checkpoint as ckpt
-from trainkit import launcher
+from trainkit import launcher, resume
 from trainkit.activation import apply_activation_checkpointing
 from trainkit.callbacks.base import Callback
 from trainkit.callbacks.checkpointing import ModelCheckpoint
 from trainkit.callbacks.progress import ProgressBar
-from trainkit.data import DataModule, num_batches, rebuild_loader
-from trainkit.hooks import HOOK_NAMES, ModelHooks
+from trainkit.data import DataConnector, DataModule
+from trainkit.dispatch import HookDispatch
 from trainkit.loggers import Logger, TensorBoardLogger
-from trainkit.loops import EvalLoop, FitLoop
+from trainkit.loops import EvalLoop, FitLoop, LoopConfig, Progress, loss_logger
 from trainkit.module import TrainModule
 from trainkit.optim import OptimizerConfig, parse_optimizers
+from trainkit.properties import TrainerProperties
 from trainkit.results import Results
-from trainkit.seed import rng_state, seed_everything, set_rng_state
-from trainkit.utils import jsonable, model_summary
-from trainkit_strategies import DynamicLossScaler, Precision, RunsSchedule, ShardedInit, Strategy
+from trainkit.seed import rng_state, seed_everything
+from trainkit.step import OptimizerStep, StepConfig
+from trainkit.utils import model_summary
+from trainkit_strategies import DynamicLossScaler, Precision, ShardedInit, Strategy
 from trainkit_strategies.comm import PeerError
 from trainkit_strategies.registry import get_strategy
 
 
-class Trainer:
+class Trainer(TrainerProperties):
     """Runs a TrainModule.
 
     Args:
@@ -162,19 +162,13 @@ class Trainer:
         self.datamodule: DataModule | None = None
         self.optimizer_config: OptimizerConfig | None = None
         self.scaler: DynamicLossScaler | None = None
-        self.fit_loop = FitLoop(self)
-        self.eval_loop = EvalLoop(self)
-        self._results = Results(self.strategy.reduce)
-        self.should_stop = False
-        self.state = "idle"
-        self.train_dataloader: DataLoader | None = None
-        self.val_dataloaders: list[DataLoader] = []
-        self._pending_rng: dict | None = None
-        self._hooks: dict[str, list[Callable]] = {}
-        self._last_loss: torch.Tensor | None = None
+        self.state = "idle"  # "fit", "validate", "test" or "predict" while one runs
+        self.progress = Progress()
+        self.results = Results(self.strategy.reduce)  # what ``self.log`` records; see callback_metrics
+        self.data = DataConnector(self.strategy, self.precision, use_distributed_sampler, seed or 0)
+        self.fit_loop: FitLoop | None = None  # the loops of the current (or last) run
+        self.evaluation: EvalLoop | None = None
         self._logged_metrics: dict[str, float] = {}
-        self._train_arg: Any = None
-        self.sanity_checking = False  # True while the sanity validation before training runs
 
     # -- construction helpers ---------------------------------------------------------------------
     def _resolve_strategy(self, strategy: str | Strategy) -> Strategy:
@@ -195,102 +189,10 @@ class Trainer:
             return []
         return list(logger) if isinstance(logger, Sequence) else [logger]
 
-    # -- public state -----------------------------------------------------------------------------
-    @property
-    def global_step(self) -> int:
-        return self.fit_loop.global_step
-
-    @property
-    def current_epoch(self) -> int:
-        return self.fit_loop.epoch
-
-    @property
-    def global_rank(self) -> int:
-        return self.strategy.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.strategy.world_size
-
-    @property
-    def is_global_zero(self) -> bool:
-        return self.strategy.is_global_zero
-
-    @property
-    def logger(self) -> Logger | None:
-        return self.loggers[0] if self.loggers else None
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer | None:
-        return self.strategy.optimizer
-
-    @property
-    def callback_metrics(self) -> dict[str, torch.Tensor]:
-        """Latest logged values on this rank (epoch aggregates after each epoch/validation), as 0-d
-        tensors like Lightning's."""
-        values = self._results.local_values(prog_bar_only=False)
-        return {k: torch.tensor(v, device="cpu") for k, v in values.items()}
-
-    @property
-    def progress_bar_metrics(self) -> dict[str, float]:
-        values = self._results.local_values(prog_bar_only=True)
-        if self._last_loss is not None:
-            values = {"loss": float(self._last_loss), **values}
-        return values
-
-    @property
-    def estimated_stepping_batches(self) -> float:
-        """Optimizer steps this ``fit`` will take: ``max_steps``, or the epochs times the batches per
-        epoch (after ``limit_train_batches``) divided by the accumulation, whichever is smaller; ``inf``
-        when the loader has no length and ``max_steps`` is unset. Usable in ``configure_optimizers``
-        (to size a OneCycleLR, say): it fetches the training data early when needed."""
-        if self.state != "fit":
-            raise RuntimeError("estimated_stepping_batches is known only during fit.")
-        if self.train_dataloader is None:
-            self._connect_train_data()
-        assert self.train_dataloader is not None
-        return self.estimated_steps(num_batches(self.train_dataloader, self.limit_train_batches))
-
-    @property
-    def num_training_batches(self) -> float:
-        """Batches of one training epoch on this rank, after ``limit_train_batches`` (``inf`` if unknown)."""
-        if self.train_dataloader is None:
-            return 0
-        return num_batches(self.train_dataloader, self.limit_train_batches)
-
-    @property
-    def logged_metrics(self) -> dict[str, torch.Tensor]:
-        """The latest value of every metric sent to the loggers, as 0-d tensors."""
-        return {k: torch.tensor(v, device="cpu") for k, v in self._logged_metrics.items()}
-
-    @property
-    def local_rank(self) -> int:
-        return self.env.local_rank
-
-    @property
-    def log_dir(self) -> Path | None:
-        """The first logger's run directory (``runs/<name>/version_N``), or None without a logger."""
-        return self.logger.log_dir if self.logger is not None else None
-
-    @property
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        return [self.strategy.optimizer] if self.strategy.optimizer is not None else []
-
-    @property
-    def lr_scheduler(self) -> Any:
-        """The LR scheduler from ``configure_optimizers``, or None."""
-        return self.optimizer_config.scheduler if self.optimizer_config is not None else None
-
-    @property
-    def checkpoint_callback(self) -> ModelCheckpoint | None:
-        return next((c for c in self.callbacks if isinstance(c, ModelCheckpoint)), None)
-
-    @property
-    def checkpoint_dir(self) -> Path:
-        for cb in self.callbacks:
-            if isinstance(cb, ModelCheckpoint):
-                return cb.resolve_dirpath(self)
-        return self.default_root_dir / "checkpoints"
+    # -- public state: more in TrainerProperties --------------------------------------------------
+    def to_device(self, batch: Any) -> Any:
+        """Move ``batch`` to this rank's device and apply the precision policy's input cast."""
+        return self.data.to_device(batch)
 
     # -- entry points -----------------------------------------------------------------------------
     def fit(
@@ -301,34 +203,37 @@ class Trainer:
         datamodule: DataModule | None = None,
         ckpt_path: str | Path | None = None,
     ) -> None:
-        """Train ``module``. ``ckpt_path`` ("last" or a checkpoint directory) resumes a run exactly."""
-        self._run("fit", module, datamodule, ckpt_path, train=train_dataloaders, val=val_dataloaders)
+        """Train ``module``; ``ckpt_path`` (a checkpoint, or "last") resumes a run exactly where it stopped."""
+        self._run("fit", module, datamodule, ckpt_path, train=train_dataloaders, evaluation=val_dataloaders)
 
     def validate(
         self, module: TrainModule, dataloaders: DataLoader | Sequence[DataLoader] | None = None,
         datamodule: DataModule | None = None, ckpt_path: str | Path | None = None, verbose: bool = True,
     ) -> list[dict[str, float]]:
         """Run the validation loop once; ``verbose`` prints the results on rank 0."""
-        return self._run("validate", module, datamodule, ckpt_path, val=dataloaders, verbose=verbose)
+        return self._run("validate", module, datamodule, ckpt_path, evaluation=dataloaders, verbose=verbose)
 
     def test(
         self, module: TrainModule, dataloaders: DataLoader | Sequence[DataLoader] | None = None,
         datamodule: DataModule | None = None, ckpt_path: str | Path | None = None, verbose: bool = True,
     ) -> list[dict[str, float]]:
         """Run the test loop once; ``verbose`` prints the results on rank 0."""
-        return self._run("test", module, datamodule, ckpt_path, val=dataloaders, verbose=verbose)
+        return self._run("test", module, datamodule, ckpt_path, evaluation=dataloaders, verbose=verbose)
 
     def predict(
         self, module: TrainModule, dataloaders: DataLoader | Sequence[DataLoader] | None = None,
         datamodule: DataModule | None = None, ckpt_path: str | Path | None = None,
     ) -> list[Any]:
-        return self._run("predict", module, datamodule, ckpt_path, val=dataloaders)
+        return self._run("predict", module, datamodule, ckpt_path, evaluation=dataloaders)
 
     def save_checkpoint(self, dirpath: str | Path, name: str, update_latest: bool = True) -> Path:
         """Write a universal checkpoint ``dirpath/name`` (collective: every rank calls it)."""
-        meta = self._checkpoint_meta()
-        return ckpt.save(dirpath, name, self.strategy, meta, self.strategy.state_pieces(),
+        return ckpt.save(dirpath, name, self.strategy, resume.checkpoint_meta(self), self.strategy.state_pieces(),
                          {"rng": rng_state()}, update_latest)
+
+    def resolve_ckpt_path(self, ckpt_path: str | Path) -> Path | None:
+        """The checkpoint ``ckpt_path`` ("last", a checkpoint, or a directory with ``latest``) names."""
+        return resume.resolve(self.checkpoint_dir, ckpt_path)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Send metrics to every logger (rank 0 only); for callbacks."""
@@ -337,38 +242,60 @@ class Trainer:
             for lg in self.loggers:
                 lg.log_metrics(metrics, self.global_step if step is None else step)
 
+    def _emit(self, metrics: dict[str, float]) -> None:
+        """The loops' logging: ``metrics`` at the current step, then the loggers flushed."""
+        if metrics:
+            self.log_metrics(metrics, self.global_step)
+            if self.is_global_zero:
+                for lg in self.loggers:
+                    lg.save()
+
     # -- the run ----------------------------------------------------------------------------------
-    def _run(self, stage: str, module: TrainModule, datamodule: DataModule | None,
-             ckpt_path: str | Path | None, train: Any = None, val: Any = None, verbose: bool = False) -> Any:
+    def _loop_config(self) -> LoopConfig:
+        return LoopConfig(self.max_epochs, self.max_steps, self.limit_train_batches, self.limit_val_batches,
+                          self.val_check_interval, self.check_val_every_n_epoch, self.num_sanity_val_steps,
+                          self.log_every_n_steps, self.seed or 0)
+
+    def _run(self, fn: str, module: TrainModule, datamodule: DataModule | None, ckpt_path: str | Path | None,
+             train: Any = None, evaluation: Any = None, verbose: bool = False) -> Any:
         if not isinstance(module, TrainModule):
-            raise TypeError(f"Trainer.{stage} needs a TrainModule; got {type(module).__name__}.")
-        self.state, self.module, self.datamodule = stage, module, datamodule
+            raise TypeError(f"Trainer.{fn} needs a TrainModule; got {type(module).__name__}.")
+        self.state, self.module, self.datamodule = fn, module, datamodule
         self.should_stop = False
-        self.train_dataloader, self._train_arg = None, train
         module._trainer = self
         if self.seed is not None:
             seed_everything(self.seed)
         if self.deterministic:
             torch.use_deterministic_algorithms(True)
-        self._hooks = self._build_dispatch(module)
+        hooks = HookDispatch(self, module, self.callbacks)
+        self.data.prepare(datamodule if datamodule is not None else module, train)
         try:
-            self._setup(stage, module)
-            self._connect_data(stage, train, val)
-            if ckpt_path is not None:
-                self._restore(ckpt_path, stage)
-            if stage == "fit":
+            self._setup(fn, module, hooks)
+            self.data.connect(fn, evaluation)
+            config = self._loop_config()
+            self.evaluation = EvalLoop(config, self.strategy, hooks, self.results, self.data, self._emit)
+            if fn == "fit":
+                step = OptimizerStep(self.strategy, StepConfig(self.accumulate_grad_batches, self.gradient_clip_val,
+                                                               self.gradient_clip_algorithm),
+                                     self.scaler, hooks, self.optimizer_config, loss_logger(self.results))
+                self.fit_loop = FitLoop(config, self.progress, module, self.strategy, step, hooks, self.results,
+                                        self.data, self.evaluation, self._emit)
+            path = self.resolve_ckpt_path(ckpt_path) if ckpt_path is not None else None
+            if path is not None:
+                random_state = resume.restore(self, path, fn)
+                if self.fit_loop is not None and fn == "fit":
+                    self.fit_loop.pending_rng = random_state
+            if fn == "fit":
+                assert self.fit_loop is not None
                 self._log_hyperparams()
                 self.fit_loop.run()
                 return None
-            if stage == "predict":
-                if isinstance(self.strategy, RunsSchedule):
-                    raise ValueError(f"predict is not supported under strategy {self.strategy.name!r}; load the "
-                                     "checkpoint with strategy 'single' or 'ddp' to predict.")
-                return self.eval_loop.predict(self.val_dataloaders, self.limit_predict_batches)
-            limit = self.limit_val_batches if stage == "validate" else self.limit_test_batches
-            metrics = self.eval_loop.run(stage, self.val_dataloaders, limit)
+            if fn == "predict":
+                return self.evaluation.predict(module, self.data.val_dataloaders, self.limit_predict_batches)
+            limit = self.limit_val_batches if fn == "validate" else self.limit_test_batches
+            metrics = self.evaluation.run(module, fn, self.data.val_dataloaders, limit)
             if verbose:
-                self._print_results(stage, metrics)
+                self._print_results(fn, metrics)
             return [metrics]
         except BaseException as exc:
             for cb in self.callbacks:
@@ -379,25 +306,25 @@ class Trainer:
             if self.world_size > 1:
                 self.strategy.comm.abort()
             if isinstance(exc, PeerError):
-                raise PeerError(f"{exc}\n{self._resume_hint()}") from exc
+                raise PeerError(f"{exc}\n{resume.resume_hint(self.checkpoint_dir)}") from exc
             raise
         finally:
-            self._call("teardown", stage)
+            hooks("teardown", fn)
             if self.datamodule is not None:
-                self.datamodule.teardown(stage)
+                self.datamodule.teardown(fn)
             for lg in self.loggers:
                 if self.is_global_zero:
                     lg.finalize("finished")
             self.state = "idle"
 
-    def _setup(self, stage: str, module: TrainModule) -> None:
+    def _setup(self, fn: str, module: TrainModule, hooks: HookDispatch) -> None:
         if self.datamodule is not None and self.is_global_zero:
             self.datamodule.prepare_data()
         self.strategy.barrier()
         if self.datamodule is not None:
-            self.datamodule.setup(stage)
-        self._call("setup", stage)
-        needs_optimizer = stage == "fit" and self.strategy.optimizer is None
+            self.datamodule.setup(fn)
+        hooks("setup", fn)
+        needs_optimizer = fn == "fit" and self.strategy.optimizer is None
         if self.strategy.module is module and not needs_optimizer:
             return
         if self.strategy.module is not module:
@@ -407,75 +334,13 @@ class Trainer:
             if self.activation_checkpointing:
                 apply_activation_checkpointing(module, self.activation_checkpointing)
         optimizer = None
-        if stage == "fit":
+        if fn == "fit":
             if self.enable_model_summary and self.is_global_zero:
                 print(model_summary(module))
             self.optimizer_config = parse_optimizers(module.configure_optimizers())
             optimizer = self.optimizer_config.optimizer
             self.scaler = DynamicLossScaler() if self.precision.loss_scaling else None
         self.strategy.setup(module, optimizer, self.precision)
-
-    def _connect_data(self, stage: str, train: Any, val: Any) -> None:
-        if stage == "fit" and self.train_dataloader is None:
-            self._connect_train_data()
-        hook = {"fit": "val_dataloader", "validate": "val_dataloader", "test": "test_dataloader",
-                "predict": "predict_dataloader"}[stage]
-        loaders = val if val is not None else getattr(self._data_source, hook)()
-        if loaders is None:
-            loaders = []
-        elif isinstance(loaders, DataLoader):
-            loaders = [loaders]
-        if stage != "fit" and not loaders:
-            raise ValueError(f"No {stage} data: pass dataloaders, a datamodule, or implement {hook}() on the module.")
-        self.val_dataloaders = [self._rebuild(dl, shuffle=False, pad=False) for dl in loaders]
-
-    def _connect_train_data(self) -> None:
-        loader = self._train_arg if self._train_arg is not None else self._data_source.train_dataloader()
-        if loader is None:
-            raise ValueError(
-                "No training data: pass train_dataloaders to fit(), a datamodule, or implement "
-                "train_dataloader() on the module."
-            )
-        self.train_dataloader = self._rebuild(loader, shuffle=None, pad=True)
-
-    @property
-    def _data_source(self) -> Any:
-        return self.datamodule if self.datamodule is not None else self.module
-
-    def _rebuild(self, loader: Any, shuffle: bool | None, pad: bool) -> Any:
-        """``loader`` with trainkit's sampler (``use_distributed_sampler``), sharded by data-parallel rank:
-        the stages of one pipeline replica share data."""
-        if not self.use_distributed_sampler:
-            return loader
-        return rebuild_loader(loader, shuffle, self.seed or 0, self.strategy.dp_rank, self.strategy.dp_size, pad=pad)
-
-    def _build_dispatch(self, module: TrainModule) -> dict[str, list[Callable]]:
-        """Bound hooks per name, only where a subclass overrides the no-op (the module's first)."""
-        table: dict[str, list[Callable]] = {}
-        self._module_hooks: dict[str, int] = {}  # how many of a name's hooks are the module's (0 or 1)
-        for name in HOOK_NAMES:
-            fns: list[Callable] = []
-            if getattr(type(module), name) is not getattr(ModelHooks, name):
-                fns.append(getattr(module, name))
-            self._module_hooks[name] = len(fns)
-            for cb in self.callbacks:
-                if getattr(type(cb), name) is not getattr(Callback, name):
-                    method = getattr(cb, name)
-                    fns.append(lambda *a, _m=method: _m(self, module, *a))
-            table[name] = fns
-        return table
-
-    def _call(self, name: str, *args: Any) -> None:
-        for fn in self._hooks[name]:
-            fn(*args)
-
-    def _call_module(self, name: str, *args: Any) -> None:
-        for fn in self._hooks[name][: self._module_hooks[name]]:
-            fn(*args)
-
-    def _call_callbacks(self, name: str, *args: Any) -> None:
-        for fn in self._hooks[name][self._module_hooks[name] :]:
-            fn(*args)
 
     def _log_hyperparams(self) -> None:
         if not self.is_global_zero:
@@ -489,109 +354,9 @@ class Trainer:
         for lg in self.loggers:
             lg.log_hyperparams(params)
 
-    def _print_results(self, stage: str, metrics: dict[str, float]) -> None:
+    def _print_results(self, fn: str, metrics: dict[str, float]) -> None:
         if not self.is_global_zero or not metrics:
             return
         width = max(len(k) for k in metrics)
-        lines = [f"{stage} results"] + [f"  {k:<{width}}  {v:.6g}" for k, v in sorted(metrics.items())]
+        lines = [f"{fn} results"] + [f"  {k:<{width}}  {v:.6g}" for k, v in sorted(metrics.items())]
         print("\n".join(lines))
-
-    # -- checkpoint state ---------------------------------------------------------------------------
-    def _checkpoint_meta(self) -> dict[str, Any]:
-        assert self.module is not None
-        sched = self.optimizer_config.scheduler if self.optimizer_config else None
-        meta: dict[str, Any] = {
-            "strategy": self.strategy.name,
-            "precision": self.precision.name,
-            "loop": self.fit_loop.state_dict(),
-            "hyperparameters": jsonable(dict(self.module.hparams)),
-            "optimizer": {
-                "class": type(self.strategy.optimizer).__name__ if self.strategy.optimizer else None,
-                "param_groups": self.strategy.optimizer_groups(),
-            },
-            "scheduler": sched.state_dict() if sched is not None else None,
-            "scaler": self.scaler.state_dict() if self.scaler else None,
-            "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
-            "datamodule": self.datamodule.state_dict() if self.datamodule is not None else None,
-            "saved_at": time.time(),
-        }
-        user: dict[str, Any] = {}
-        self.module.on_save_checkpoint(user)
-        for cb in self.callbacks:
-            cb.on_save_checkpoint(self, self.module, user)
-        meta["user"] = user
-        return meta
-
-    def resolve_ckpt_path(self, ckpt_path: str | Path) -> Path | None:
-        if str(ckpt_path) == "last":
-            found = ckpt.latest(self.checkpoint_dir)
-            if found is None:
-                rank_zero_warn(f"ckpt_path='last' but {self.checkpoint_dir} holds no checkpoint; starting fresh.")
-            return found
-        path = Path(ckpt_path)
-        if path.is_dir() and not (path / ckpt.META).exists() and (path / ckpt.LATEST).exists():
-            return ckpt.latest(path)
-        return path
-
-    def _restore(self, ckpt_path: str | Path, stage: str) -> None:
-        path = self.resolve_ckpt_path(ckpt_path)
-        if path is None:
-            return
-        reader = ckpt.CheckpointReader(path)
-        meta = reader.meta
-        training = stage == "fit"
-        self.strategy.load_state(reader, meta["optimizer"]["param_groups"] if training else None)
-        self.module.on_load_checkpoint(meta.get("user", {}))
-        if not training:
-            return
-        self.fit_loop.load_state_dict(meta["loop"])
-        sched = self.optimizer_config.scheduler if self.optimizer_config else None
-        if sched is not None and meta.get("scheduler") is not None:
-            sched.load_state_dict(meta["scheduler"])
-        if self.scaler is not None and meta.get("scaler") is not None:
-            self.scaler.load_state_dict(meta["scaler"])
-        for cb in self.callbacks:
-            state = meta["callbacks"].get(cb.state_key)
-            if state is not None:
-                cb.load_state_dict(state)
-            cb.on_load_checkpoint(self, self.module, meta.get("user", {}))
-        if self.datamodule is not None and meta.get("datamodule") is not None:
-            self.datamodule.load_state_dict(meta["datamodule"])
-        ranks = meta.get("ranks", [])
-        if meta.get("world_size") == self.world_size and len(ranks) == self.world_size:
-            self._pending_rng = ranks[self.global_rank]["rng"]
-        elif ranks:
-            rank_zero_warn(
-                f"The checkpoint was saved with {meta.get('world_size')} ranks and this run has {self.world_size}: "
-                "random state is re-seeded from rank 0's, so dropout noise will not continue bitwise."
-            )
-            self._pending_rng = ranks[0]["rng"]
-
-    def _resume_hint(self) -> str:
-        try:
-            last = ckpt.latest(self.checkpoint_dir)
-        except ckpt.CheckpointError:
-            last = None
-        if last is None:
-            return "No checkpoint was committed before the failure."
-        return f"The last committed checkpoint, {last}, is intact: resume with --ckpt_path last (or ckpt_path='last')."
-
-    def _apply_pending_rng(self) -> None:
-        if self._pending_rng is not None:
-            set_rng_state(self._pending_rng)
-            self._pending_rng = None
-
-    # -- numbers used by the loops ------------------------------------------------------------------
-    def estimated_steps(self, batches_per_epoch: float) -> float:
-        per_epoch = math.ceil(batches_per_epoch / self.accumulate_grad_batches)
-        by_epochs = per_epoch * self.max_epochs if self.max_epochs is not None else math.inf
-        return min(by_epochs, self.max_steps if self.max_steps >= 0 else math.inf)
-
-    @property
-    def _moves_batches(self) -> bool:
-        """Whether batches need moving to the device or casting (to bf16 under "bf16-true")."""
-        return self.strategy.device.type != "cpu" or self.precision.converts_input
-
-    def to_device(self, batch: Any) -> Any:
-        """Move ``batch`` to this rank's device and apply the precision policy's input cast."""
-        return self.precision.convert_input(launcher.move_to_device(batch, self.strategy.device))

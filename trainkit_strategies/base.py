@@ -381,7 +381,11 @@ class RunsSchedule(ABC):
         mean loss (on every rank) and the items this rank's losses counted (0 where no loss is computed)."""
 
     @abstractmethod
-    def eval_schedule(self, module: nn.Module, batch: Any, batch_idx: int,
-                      stage: str = "validate") -> dict[str, Tensor]:
-        """Forward-only evaluation of ``batch`` in ``stage`` ("validate" or "test"): metrics, identical on
-        the ranks of a pipeline."""
+    def eval_schedule(self, module: nn.Module, batch: Any, batch_idx: int, fn: str = "validate") -> dict[str, Tensor]:
+        """Forward-only evaluation of ``batch`` for ``fn`` ("validate" or "test"): metrics, identical on the
+        ranks that run the schedule together."""
+
+    @abstractmethod
+    def evaluates(self, module: nn.Module, has_validation_step: bool) -> bool:
+        """Whether validation runs for ``module`` under this schedule (``has_validation_step``: the module
+        overrides ``validation_step``)."""

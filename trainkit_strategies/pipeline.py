@@ -365,13 +365,17 @@ class PipelineStrategy(Strategy, RunsSchedule):
         broadcast.wait()
         return mean[0], items
 
-    def eval_schedule(self, module: nn.Module, batch: Any, batch_idx: int,
-                      stage: str = "validate") -> dict[str, Tensor]:
+    def evaluates(self, module: nn.Module, has_validation_step: bool) -> bool:
+        """``pipeline_validation_step`` alone asks for validation; ``validation_step`` evaluates by
+        ``pipeline_loss``."""
+        return has_validation_step or callable(getattr(module, "pipeline_validation_step", None))
+
+    def eval_schedule(self, module: nn.Module, batch: Any, batch_idx: int, fn: str = "validate") -> dict[str, Tensor]:
         """Metrics of one evaluation batch, identical on every rank of the pipeline: the means of what
         ``pipeline_validation_step`` returns (weighted by samples) or, without it, ``pipeline_loss`` as
         ``val_loss`` / ``test_loss`` (weighted by its items)."""
         step = getattr(module, "pipeline_validation_step", None)
-        loss_name = "test_loss" if stage == "test" else "val_loss"
+        loss_name = "test_loss" if fn == "test" else "val_loss"
         chunks = self._chunks(batch)
         totals: dict[str, tuple[Tensor, float]] = {}
         sends: list[Handle] = []

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import trainkit as tk
+import trainkit.loops
 from tests.helpers import Recorder, Regression, loader, regression_data
 
 
@@ -44,7 +45,7 @@ def test_resume_changes_course_without_rng_restore(tmp_path, monkeypatch):
     """Guards the test above: with dropout, skipping the RNG restore breaks bitwise continuation."""
     _, full_rec, _ = _fit(tmp_path / "full", 45, "32")
     _fit(tmp_path / "split", 37, "32")
-    monkeypatch.setattr(tk.Trainer, "_apply_pending_rng", lambda self: None)
+    monkeypatch.setattr(trainkit.loops, "set_rng_state", lambda state: None)
     _, rest_rec, _ = _fit(tmp_path / "split", 45, "32", ckpt_path="last")
     continued = [loss for step, loss in full_rec.losses if step > 37]
     assert [loss for _, loss in rest_rec.losses] != continued

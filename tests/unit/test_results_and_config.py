@@ -17,17 +17,17 @@ def _results() -> Results:
 
 def test_epoch_mean_is_weighted_by_batch_size():
     r = _results()
-    r.stage = "validate"
-    r.log("loss", torch.tensor(1.0), False, True, None, None, "mean", False, 1)
-    r.log("loss", torch.tensor(4.0), False, True, None, None, "mean", False, 3)
+    r.loop = "validate"
+    r.log("loss", torch.tensor(1.0), batch_size=1)
+    r.log("loss", torch.tensor(4.0), batch_size=3)
     assert r.epoch_metrics() == {"loss": pytest.approx(3.25)}
 
 
 def test_train_defaults_log_per_step_and_both_get_suffixes():
     r = _results()
-    r.log("a", torch.tensor(2.0), True, True, None, None, "mean", False, None)
-    r.log("b", 3.0, False, True, True, True, "max", False, None)
-    r.log("b", 5.0, False, True, True, True, "max", False, None)
+    r.log("a", torch.tensor(2.0), prog_bar=True)
+    r.log("b", 3.0, on_step=True, on_epoch=True, reduce_fx="max")
+    r.log("b", 5.0, on_step=True, on_epoch=True, reduce_fx="max")
     assert r.step_metrics() == {"a": 2.0, "b_step": 5.0}
     assert r.epoch_metrics() == {"b_epoch": 5.0}
     assert r.local_values(prog_bar_only=True) == {"a": 2.0}
@@ -35,11 +35,11 @@ def test_train_defaults_log_per_step_and_both_get_suffixes():
 
 def test_torchmetrics_compute_and_reset_at_epoch_end():
     r = _results()
-    r.stage = "validate"
+    r.loop = "validate"
     metric = MeanMetric()
     for v in (1.0, 2.0, 6.0):
         metric(torch.tensor(v))
-        r.log("m", metric, False, True, None, None, "mean", False, None)
+        r.log("m", metric)
     assert r.epoch_metrics() == {"m": 3.0}
     assert metric.update_count == 0
 
@@ -47,9 +47,9 @@ def test_torchmetrics_compute_and_reset_at_epoch_end():
 def test_bad_log_values_are_named():
     r = _results()
     with pytest.raises(ValueError, match=r"'x'.*scalar"):
-        r.log("x", torch.ones(3), False, True, None, None, "mean", False, None)
+        r.log("x", torch.ones(3))
     with pytest.raises(ValueError, match="reduce_fx"):
-        r.log("y", 1.0, False, True, None, None, "median", False, None)
+        r.log("y", 1.0, reduce_fx="median")
 
 
 def test_configure_optimizers_forms():

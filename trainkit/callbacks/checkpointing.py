@@ -93,7 +93,7 @@ class ModelCheckpoint(Callback):
                            batch_idx: int) -> None:
         n = self.every_n_train_steps
         step = trainer.global_step
-        if n and step % n == 0 and step != self._last_step and trainer.fit_loop._window == 0:
+        if n and step % n == 0 and step != self._last_step and not trainer.accumulating:
             self.save(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
@@ -110,7 +110,7 @@ class ModelCheckpoint(Callback):
         if self.save_top_k == 0 and not self.save_last:
             return None
         dirpath = self.resolve_dirpath(trainer)
-        metrics = trainer._results.local_values(prog_bar_only=False)
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
         score = None
         if self.monitor is not None:
             score = metrics.get(self.monitor)

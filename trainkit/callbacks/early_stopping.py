@@ -56,7 +56,7 @@ class EarlyStopping(Callback):
     def on_validation_end(self, trainer: Trainer, module: TrainModule) -> None:
         if trainer.state != "fit":
             return
-        metrics = trainer._results.local_values(prog_bar_only=False)
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
         if self.monitor not in metrics:
             raise KeyError(f"EarlyStopping(monitor={self.monitor!r}): not logged during validation; "
                            f"logged: {sorted(metrics)}.")

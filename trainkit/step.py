@@ -1,0 +1,195 @@
+"""The optimizer step as one component: the accumulation window, loss normalisation, loss scaling, the
+overflow skip, clipping, the step itself and the LR schedule.
+
+Loss normalisation (DESIGN.md, "Accumulation"): a micro-batch's step returns a loss that is the mean
+over its ``n`` items (``n = 1`` when no ``num_items`` is given). The objective of one optimizer step is
+``sum_i n_i L_i / N`` over the window's micro-batches on every rank, ``N = sum_i n_i``. Each
+micro-batch back-propagates ``L_i * n_i / c``, and after the cross-rank sum the strategy multiplies
+gradients by ``c / N`` once. ``c`` must be the same on every rank (the sum mixes their gradients): for
+plain losses it is the accumulation factor ``k``; with ``num_items`` it is fixed for the whole run at
+``k`` times the largest first micro-batch count over ranks (one scalar collective, once), which keeps
+gradients near unit scale for fp16. A short final window is exact because ``N`` is what it held.
+
+A strategy that runs its own schedule (``RunsSchedule``: the pipeline) computes forward and backward
+of a batch itself; it weights every loss item by ``1/k`` (times the loss scale) and reports the items
+its rank counted, so the boundary normalises by their total with ``c = k``. Which of the two forward
+paths a step uses is decided once, when it is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim.lr_scheduler import ReduceLROnPlateau
+
+from trainkit.dispatch import HookDispatch
+from trainkit.optim import OptimizerConfig
+from trainkit_strategies import DynamicLossScaler, RunsSchedule, Strategy
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """Attributes:
+        accumulate_grad_batches: micro-batches per optimizer step (``k``).
+        gradient_clip_val: clip at this value (None: no clipping).
+        gradient_clip_algorithm: "norm" (global norm across shards and stages) or "value".
+    """
+
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: float | None = None
+    gradient_clip_algorithm: str = "norm"
+
+
+def unpack_output(output: Any) -> tuple[Tensor | None, Any]:
+    """``training_step``'s return value as ``(loss, num_items)``."""
+    if output is None or isinstance(output, Tensor):
+        return output, None
+    if isinstance(output, Mapping):
+        if "loss" not in output:
+            raise ValueError("training_step returned a dict without a 'loss' key.")
+        return output["loss"], output.get("num_items")
+    raise TypeError(f"training_step must return a loss tensor, a dict with 'loss', or None; got {type(output)}.")
+
+
+class OptimizerStep:
+    """Runs micro-batches into an accumulation window and closes it with one optimizer step.
+
+    Args:
+        strategy: does backward, reduction, clipping and the step.
+        config: accumulation and clipping.
+        scaler: the fp16 loss scaler, or None.
+        hooks: dispatch of the backward/step hooks (``on_before_backward`` ... ``on_before_zero_grad``).
+        optimizers: the optimizer and LR scheduler from ``configure_optimizers``.
+        log_loss: where a schedule-running strategy's batch loss is logged as ``train_loss`` (no
+            ``training_step`` runs to log it).
+    """
+
+    def __init__(self, strategy: Strategy, config: StepConfig, scaler: DynamicLossScaler | None,
+                 hooks: HookDispatch, optimizers: OptimizerConfig | None = None,
+                 log_loss: Callable[[Tensor], None] | None = None) -> None:
+        self.strategy, self.config, self.scaler, self.hooks = strategy, config, scaler, hooks
+        self.optimizers, self.log_loss = optimizers, log_loss
+        self.k = config.accumulate_grad_batches
+        self.window = 0  # micro-batches run in the open window
+        self.items_norm: float | None = None  # c (see the module docstring); kept in checkpoints
+        self.last_loss: Tensor | None = None
+        self._count: Any = 0  # micro-batches (plain losses) or items (num_items) in the window
+        self._item_weighted = False
+        self._forward_backward = self._scheduled if isinstance(strategy, RunsSchedule) else self._training_step
+
+    # -- micro-batches -------------------------------------------------------------------------------
+    def micro_step(self, module: nn.Module, batch: Any, batch_idx: int, boundary: bool) -> Any:
+        """Forward and backward of one micro-batch; ``boundary``: it is the window's last (gradients sync)."""
+        with nullcontext() if boundary else self.strategy.no_sync():
+            return self._forward_backward(module, batch, batch_idx)
+
+    def _training_step(self, module: nn.Module, batch: Any, batch_idx: int) -> Any:
+        strategy = self.strategy
+        with strategy.forward_context():
+            outputs = module.training_step(batch, batch_idx)
+        loss, n = unpack_output(outputs)
+        if loss is None:
+            if strategy.world_size > 1:
+                raise RuntimeError("training_step returned None under a distributed strategy; every rank "
+                                   "must produce a loss at every step (return a zero loss to skip).")
+            return outputs
+        if self.window == 0:
+            self._item_weighted = n is not None
+        elif (n is not None) != self._item_weighted:
+            raise ValueError("training_step returned num_items for some micro-batches of a window but not "
+                             "for others; return it always or never.")
+        if n is None:
+            weight: Any = 1.0 / self.k
+            self._count += 1
+        else:
+            if self.items_norm is None:
+                first = torch.as_tensor(n, dtype=torch.float64, device=strategy.device).clamp(min=1)
+                self.items_norm = float(strategy.reduce(first, "max")) * self.k
+            self._count = self._count + n
+            weight = n / self.items_norm
+        if self.scaler is not None:
+            weight = weight * self.scaler.scale
+        for fn in self.hooks.fns("on_before_backward"):
+            fn(loss)
+        strategy.backward(loss * weight if not (isinstance(weight, float) and weight == 1.0) else loss)
+        for fn in self.hooks.fns("on_after_backward"):
+            fn()
+        self.last_loss = loss.detach()
+        self.window += 1
+        return outputs
+
+    def _scheduled(self, module: nn.Module, batch: Any, batch_idx: int) -> Any:
+        strategy = self.strategy
+        assert isinstance(strategy, RunsSchedule)
+        if self.window == 0:
+            self._item_weighted = True
+        self.items_norm = float(self.k)
+        weight = 1.0 / self.k if self.scaler is None else self.scaler.scale / self.k
+        loss, items = strategy.run_schedule(module, batch, weight)
+        for fn in self.hooks.fns("on_after_backward"):
+            fn()
+        self._count = self._count + items
+        self.last_loss = loss
+        if self.log_loss is not None:
+            self.log_loss(loss)
+        self.window += 1
+        return {"loss": loss, "num_items": items}
+
+    # -- the boundary --------------------------------------------------------------------------------
+    def step(self) -> bool | None:
+        """Close the window: normalise, reduce, (unscale, check), clip, step, zero, advance a per-step LR
+        schedule. Returns None when the window ran no backward (nothing to step), False when the step was
+        skipped for an fp16 overflow (every rank skips together), True otherwise."""
+        if self.window == 0:
+            return None
+        strategy = self.strategy
+        if not self._item_weighted:
+            scale: Any = self.k / (self._count * strategy.world_size)
+        else:
+            total = torch.as_tensor(self._count, dtype=torch.float64, device=strategy.device)
+            scale = (self.items_norm / strategy.reduce(total, "sum").clamp(min=1)).float()
+        self.window, self._count = 0, 0
+        if self.scaler is not None:
+            scale = scale / self.scaler.scale
+        strategy.reduce_gradients(scale)
+        optimizer = strategy.optimizer
+        norm = None
+        skip = False
+        if self.scaler is not None:
+            norm = strategy.grad_norm()  # global: the overflow decision is the same on every rank
+            skip = not bool(torch.isfinite(norm))
+            self.scaler.update(found_inf=skip)
+        if not skip:
+            for fn in self.hooks.fns("on_before_optimizer_step"):
+                fn(optimizer)
+            clip = self.config.gradient_clip_val
+            if clip is not None:
+                if self.config.gradient_clip_algorithm == "norm":
+                    strategy.clip_grad_norm(clip, norm=norm)
+                else:
+                    strategy.clip_grad_value(clip)
+            strategy.optimizer_step()
+        for fn in self.hooks.fns("on_before_zero_grad"):
+            fn(optimizer)
+        strategy.zero_grad()
+        return not skip
+
+    def step_scheduler(self, interval: str, count: int, metrics: Callable[[], dict[str, float]]) -> None:
+        """Step the LR scheduler if it runs on this ``interval`` ("step" or "epoch") and ``count`` hits its
+        frequency; ``metrics`` gives ReduceLROnPlateau its monitored value."""
+        cfg = self.optimizers
+        if cfg is None or cfg.scheduler is None or cfg.interval != interval or count % cfg.frequency:
+            return
+        if isinstance(cfg.scheduler, ReduceLROnPlateau):
+            values = metrics()
+            if cfg.monitor not in values:
+                raise KeyError(f"ReduceLROnPlateau monitors {cfg.monitor!r}, which was not logged; "
+                               f"logged: {sorted(values)}.")
+            cfg.scheduler.step(values[cfg.monitor])
+        else:
+            cfg.scheduler.step()
