@@ -29,15 +29,12 @@ from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
 from trainkit_strategies.base import Environment, RunsSchedule, Strategy, _local_norm
+from trainkit_strategies.channels import Channel
 from trainkit_strategies.comm import Comm, Handle
 from trainkit_strategies.memory import ActivationMeter, MemoryReport
 from trainkit_strategies.precision import Precision
 from trainkit_strategies.registry import get_strategy
 from trainkit_strategies.schedules import SCHEDULES, partition
-
-_WIRE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
-                torch.bool]  # a header's dtype code is an index here
-_HEADER = 8  # ndim, dtype code, up to 6 dims
 
 
 class _Stage(nn.Module):
@@ -85,60 +82,6 @@ def _signature(batch: Any) -> tuple:
     if isinstance(batch, list | tuple):
         return tuple(_signature(v) for v in batch)
     return ()
-
-
-class _Channel:
-    """One direction between neighbouring stages.
-
-    The first time a micro-batch of a given input signature crosses, a header (shape, dtype) precedes
-    the payload; from then on both sides know the shape, so only the payload travels and the receiver
-    can post the next receive before it is needed (overlapping the transfer with compute). Activations
-    are received ahead; gradients are not: measured on gloo, a gradient receive pending through a
-    1F1B stage's forward slowed the step by 3-5%.
-    """
-
-    def __init__(self, comm: Comm, peer: int, device: torch.device) -> None:
-        self.comm, self.peer, self.device = comm, peer, device
-        self.shapes: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}
-        self.posted: dict[int, tuple[Handle, Tensor]] = {}
-
-    def send(self, tensor: Tensor, key: tuple) -> list[Handle]:
-        meta = (tuple(tensor.shape), tensor.dtype)
-        known = self.shapes.get(key)
-        handles = []
-        if known is None:
-            self.shapes[key] = meta
-            fields = [tensor.dim(), _WIRE_DTYPES.index(tensor.dtype), *tensor.shape]
-            header = torch.tensor(fields + [0] * (_HEADER - len(fields)), dtype=torch.int64, device=self.device)
-            handles.append(self.comm.send(header, self.peer))
-        elif known != meta:
-            raise RuntimeError(
-                f"pipeline: a stage produced {meta} for a micro-batch whose input shapes produced {known} before; "
-                "stage outputs must be determined by the input shapes."
-            )
-        handles.append(self.comm.send(tensor.detach().contiguous(), self.peer))
-        return handles
-
-    def post(self, key: tuple, slot: int) -> None:
-        """Start receiving ``slot`` now if its shape is known."""
-        known = self.shapes.get(key)
-        if known is not None and slot not in self.posted:
-            buffer = torch.empty(known[0], dtype=known[1], device=self.device)
-            self.posted[slot] = (self.comm.recv(buffer, self.peer), buffer)
-
-    def recv(self, key: tuple, slot: int) -> Tensor:
-        if slot in self.posted:
-            handle, buffer = self.posted.pop(slot)
-            handle.wait()
-            return buffer
-        if key not in self.shapes:
-            header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-            self.comm.recv(header, self.peer).wait()
-            self.shapes[key] = (tuple(header[2 : 2 + int(header[0])].tolist()), _WIRE_DTYPES[int(header[1])])
-        shape, dtype = self.shapes[key]
-        buffer = torch.empty(shape, dtype=dtype, device=self.device)
-        self.comm.recv(buffer, self.peer).wait()
-        return buffer
 
 
 def _missing_hooks(module: nn.Module) -> list[str]:
@@ -271,10 +214,10 @@ class PipelineStrategy(Strategy, RunsSchedule):
         self.inner.setup(self._stage, optimizer, precision)
         self._actions = {}
         prev, nxt = self.stage - 1, self.stage + 1
-        self._from_prev = _Channel(self.pipe, prev, self.device) if self.stage else None
-        self._to_next = _Channel(self.pipe, nxt, self.device) if not self.last else None
-        self._grads_from_next = _Channel(self.pipe, nxt, self.device) if not self.last else None
-        self._grads_to_prev = _Channel(self.pipe, prev, self.device) if self.stage else None
+        self._from_prev = Channel(self.pipe, prev, self.device) if self.stage else None
+        self._to_next = Channel(self.pipe, nxt, self.device) if not self.last else None
+        self._grads_from_next = Channel(self.pipe, nxt, self.device) if not self.last else None
+        self._grads_to_prev = Channel(self.pipe, prev, self.device) if self.stage else None
 
     def _split(self, sizes: list[int]) -> list[int]:
         if self.split is None:
