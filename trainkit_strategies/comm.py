@@ -119,9 +119,13 @@ class Comm:
             if env.device.type == "cuda":
                 kwargs["device_id"] = env.device
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+            # Under torchelastic (torchrun) join the way its agent expects, every restart round included:
+            # env:// reads the variables the agent sets for this round (and its store settings).
+            elastic = "TORCHELASTIC_RUN_ID" in os.environ
+            init_method = "env://" if elastic else f"tcp://{env.master_addr}:{env.master_port}"
             dist.init_process_group(
-                backend, init_method=f"tcp://{env.master_addr}:{env.master_port}", rank=env.rank,
-                world_size=env.world_size, timeout=timedelta(seconds=env.timeout_s), **kwargs,
+                backend, init_method=init_method, rank=env.rank, world_size=env.world_size,
+                timeout=timedelta(seconds=env.timeout_s), **kwargs,
             )
             atexit.register(_destroy_at_exit)  # join gloo/NCCL threads before the interpreter tears down
         if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
