@@ -3,8 +3,10 @@
 from trainkit.data import DataModule
 from trainkit.module import TrainModule
 from trainkit.seed import seed_everything
+from trainkit.signals import PREEMPTED_EXIT_CODE, Preempted
 from trainkit.trainer import Trainer
 
 __version__ = "0.1.0"
 
-__all__ = ["DataModule", "TrainModule", "Trainer", "__version__", "seed_everything"]
+__all__ = ["PREEMPTED_EXIT_CODE", "DataModule", "Preempted", "TrainModule", "Trainer", "__version__",
+           "seed_everything"]

@@ -15,23 +15,27 @@ any point before that leaves the previous checkpoint and ``latest`` untouched. N
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import shutil
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
 from trainkit_strategies import Strategy
 from trainkit_strategies.state import Piece
 
+_FROM_SAFETENSORS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                     "BOOL": torch.bool}
 FORMAT = "trainkit-checkpoint"
 VERSION = 1
 LATEST = "latest"
@@ -66,33 +70,74 @@ def _fsync_write(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def save(
-    dirpath: str | Path, name: str, strategy: Strategy, meta: dict[str, Any], pieces: Iterable[Piece],
-    rank_state: dict[str, Any], update_latest: bool = True,
-) -> Path:
-    """Collectively write checkpoint ``dirpath/name``; every rank must call this."""
-    dirpath = Path(dirpath)
-    final, tmp = dirpath / name, dirpath / f".tmp-{name}"
+@dataclass
+class Staged:
+    """A checkpoint being written: every rank's files go into ``tmp`` until the commit renames it ``final``."""
+
+    dirpath: Path
+    name: str
+    meta: dict[str, Any]
+    rank_state: dict[str, Any]
+    update_latest: bool = True
+
+    @property
+    def tmp(self) -> Path:
+        return self.dirpath / f".tmp-{self.name}"
+
+    @property
+    def final(self) -> Path:
+        return self.dirpath / self.name
+
+
+@dataclass
+class Written:
+    """What one rank wrote: its file's size and sha256, and the table of its pieces."""
+
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    table: list[tuple] = field(default_factory=list)
+    error: str | None = None
+
+
+def begin(dirpath: str | Path, name: str, strategy: Strategy, meta: dict[str, Any], rank_state: dict[str, Any],
+          update_latest: bool = True) -> Staged:
+    """Collectively start checkpoint ``dirpath/name``: rank 0 makes the empty temporary directory."""
+    staged = Staged(Path(dirpath), name, meta, rank_state, update_latest)
     if strategy.is_global_zero:
-        dirpath.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        staged.dirpath.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staged.tmp, ignore_errors=True)
+        staged.tmp.mkdir()
     strategy.barrier()
-    filename = f"rank{strategy.rank:05d}.safetensors"
-    pieces = list(pieces)
-    files: dict[str, dict[str, Any]] = {}
+    return staged
+
+
+def write_rank_file(tmp: Path, rank: int, pieces: list[Piece]) -> Written:
+    """Write this rank's pieces (host tensors) into ``tmp`` and make them durable; no communication."""
+    filename = f"rank{rank:05d}.safetensors"
+    written = Written(table=[(p.key, list(p.shape), _dtype_name(p.dtype), p.start, p.stop, filename) for p in pieces])
     if pieces:
-        tensors = {f"{p.key}@{p.start}": p.data.detach().contiguous().cpu() for p in pieces}
-        save_file(tensors, str(tmp / filename))
-        with open(tmp / filename, "rb") as f:
+        path = tmp / filename
+        save_file({f"{p.key}@{p.start}": p.data for p in pieces}, str(path))
+        with open(path, "rb") as f:
             os.fsync(f.fileno())
-        files[filename] = {"sha256": _sha256(tmp / filename), "bytes": (tmp / filename).stat().st_size}
-    table = [(p.key, list(p.shape), _dtype_name(p.dtype), p.start, p.stop, filename) for p in pieces]
-    gathered = strategy.all_gather_object((files, table, rank_state))
+        written.files[filename] = {"sha256": _sha256(path), "bytes": path.stat().st_size}
+    return written
+
+
+def commit(staged: Staged, strategy: Strategy, written: Written) -> Path:
+    """Collectively make ``staged`` visible once every rank's file is durable: rank 0 writes meta.json, renames
+    the directory into place, then moves ``latest``. A rank whose write failed fails the commit on every rank
+    and leaves the previous checkpoint and ``latest`` as they were."""
+    gathered = strategy.all_gather_object((written.files, written.table, staged.rank_state, written.error))
+    errors = [f"rank {r}: {err}" for r, (_, _, _, err) in enumerate(gathered) if err is not None]
+    if errors:
+        if strategy.is_global_zero:
+            shutil.rmtree(staged.tmp, ignore_errors=True)
+        raise CheckpointError(f"Writing checkpoint {staged.final} failed ({'; '.join(errors)}); the previous "
+                              "checkpoint and the latest pointer are unchanged.")
     if strategy.is_global_zero:
         tensors_meta: dict[str, dict[str, Any]] = {}
         all_files: dict[str, Any] = {}
-        for rank_files, rank_table, _ in gathered:
+        for rank_files, rank_table, _, _ in gathered:
             all_files.update(rank_files)
             for key, shape, dtype, start, stop, file in rank_table:
                 entry = tensors_meta.setdefault(key, {"shape": shape, "dtype": dtype, "pieces": []})
@@ -103,28 +148,39 @@ def save(
             "format": FORMAT,
             "version": VERSION,
             "torch_version": torch.__version__,
-            **meta,
+            **staged.meta,
             "world_size": strategy.world_size,
-            "ranks": [r for _, _, r in gathered],
+            "ranks": [r for _, _, r, _ in gathered],
             "tensors": tensors_meta,
             "files": all_files,
         }
         full["meta_sha256"] = _meta_digest(full)
-        _fsync_write(tmp / META, json.dumps(full, indent=1, sort_keys=True))
+        _fsync_write(staged.tmp / META, json.dumps(full, indent=1, sort_keys=True))
+        final = staged.final
         if final.exists():
-            trash = dirpath / f".old-{name}"
+            trash = staged.dirpath / f".old-{staged.name}"
             shutil.rmtree(trash, ignore_errors=True)
             final.rename(trash)
-            tmp.rename(final)
+            staged.tmp.rename(final)
             shutil.rmtree(trash, ignore_errors=True)
         else:
-            tmp.rename(final)
-        if update_latest:
-            pointer = dirpath / f".{LATEST}.tmp"
-            _fsync_write(pointer, name)
-            os.replace(pointer, dirpath / LATEST)
+            staged.tmp.rename(final)
+        if staged.update_latest:
+            pointer = staged.dirpath / f".{LATEST}.tmp"
+            _fsync_write(pointer, staged.name)
+            os.replace(pointer, staged.dirpath / LATEST)
     strategy.barrier()
-    return final
+    return staged.final
+
+
+def save(
+    dirpath: str | Path, name: str, strategy: Strategy, meta: dict[str, Any], pieces: Iterable[Piece],
+    rank_state: dict[str, Any], update_latest: bool = True,
+) -> Path:
+    """Collectively write checkpoint ``dirpath/name``; every rank must call this."""
+    staged = begin(dirpath, name, strategy, meta, rank_state, update_latest)
+    host = [Piece(p.key, p.shape, p.dtype, p.start, p.stop, p.data.detach().contiguous().cpu()) for p in pieces]
+    return commit(staged, strategy, write_rank_file(staged.tmp, strategy.rank, host))
 
 
 def latest(dirpath: str | Path) -> Path | None:
@@ -171,13 +227,22 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 
 
 class CheckpointReader:
-    """Reads flat ranges of a checkpoint's tensors; verifies each file's size and sha256 before use."""
+    """Reads flat ranges of a checkpoint's tensors; verifies each file's size and sha256 before use.
+
+    Ranges are read with ``os.pread`` at offsets from the safetensors header, not through a memory map: a
+    map keeps what was read resident, so streaming a large checkpoint would hold all of it in memory.
+    """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.meta = read_meta(self.path)
         self._tensors: dict[str, dict[str, Any]] = self.meta["tensors"]
-        self._handles: dict[str, Any] = {}
+        self._files: dict[str, tuple[int, int, dict[str, Any]]] = {}  # file -> (fd, payload start, header)
+
+    def __del__(self) -> None:
+        for fd, _, _ in getattr(self, "_files", {}).values():  # empty when __init__ failed
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def keys(self) -> Iterable[str]:
         return self._tensors.keys()
@@ -188,12 +253,30 @@ class CheckpointReader:
             return None
         return tuple(entry["shape"]), getattr(torch, entry["dtype"])
 
-    def _open(self, file: str) -> Any:
-        handle = self._handles.get(file)
-        if handle is None:
+    def pieces(self, key: str) -> list[tuple[str, int, int]]:
+        """The stored ranges of ``key``, in order: ``(key, start, stop)`` each, as ``read`` takes them."""
+        entry = self._tensors.get(key)
+        if entry is None:
+            raise CheckpointError(f"{self.path} has no tensor {key!r}.")
+        return [(key, piece["start"], piece["stop"]) for piece in entry["pieces"]]
+
+    def _open(self, file: str) -> tuple[int, int, dict[str, Any]]:
+        opened = self._files.get(file)
+        if opened is None:
             self._verify(file)
-            handle = self._handles[file] = safe_open(str(self.path / file), framework="pt")
-        return handle
+            fd = os.open(self.path / file, os.O_RDONLY)
+            length = int.from_bytes(os.pread(fd, 8, 0), "little")
+            opened = self._files[file] = (fd, 8 + length, json.loads(os.pread(fd, length, 8)))
+        return opened
+
+    def _read_piece(self, file: str, name: str, lo: int, hi: int) -> Tensor:
+        """Elements ``[lo, hi)`` of the stored tensor ``name`` in ``file``."""
+        fd, payload, header = self._open(file)
+        entry = header[name]
+        dtype = _FROM_SAFETENSORS[entry["dtype"]]
+        offset = payload + entry["data_offsets"][0] + lo * dtype.itemsize
+        data = bytearray(os.pread(fd, (hi - lo) * dtype.itemsize, offset))
+        return torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype, device="cpu")
 
     def _verify(self, file: str) -> None:
         path = self.path / file
@@ -223,8 +306,8 @@ class CheckpointReader:
                 continue
             if lo != cursor:
                 break
-            part = self._open(piece["file"]).get_slice(f"{key}@{piece['start']}")
-            parts.append(part[lo - piece["start"] : hi - piece["start"]])
+            parts.append(self._read_piece(piece["file"], f"{key}@{piece['start']}", lo - piece["start"],
+                                          hi - piece["start"]))
             cursor = hi
             if cursor == stop:
                 break

@@ -1,9 +1,10 @@
-"""The ``trainkit`` command line: ``trainkit fit|validate|test|predict`` over jsonargparse.
+"""The ``trainkit`` command line: ``trainkit fit|validate|test|predict|export`` over jsonargparse.
 
 Every Trainer argument is ``--trainer.<name>``; the model and data are class paths with their init
 arguments (``--model mypkg.MyModule --model.lr 1e-3``); ``--config`` reads YAML and ``--print_config``
 writes the full configuration, so a run is reproducible from one file. With no ``--model``, the
-embedded demo (TinyGPT on a synthetic Markov corpus) runs. In your own script::
+embedded demo (TinyGPT on a synthetic Markov corpus) runs. ``trainkit export CHECKPOINT OUT`` writes a
+checkpoint's model to safetensors. In your own script::
 
     from trainkit.cli import main
     main(MyModule)            # model fixed: its init arguments become --model.<arg>
@@ -22,8 +23,10 @@ from trainkit import launcher
 from trainkit.checkpoint import CheckpointError
 from trainkit.data import DataModule
 from trainkit.demo.gpt import DemoGPT
+from trainkit.export import export
 from trainkit.module import TrainModule
 from trainkit.seed import seed_everything
+from trainkit.signals import PREEMPTED_EXIT_CODE, Preempted
 from trainkit.trainer import Trainer
 from trainkit_strategies.comm import PeerError
 from trainkit_strategies.registry import available
@@ -33,6 +36,9 @@ SUBCOMMANDS = {
     "validate": "Run the validation loop once.",
     "test": "Run the test loop once.",
     "predict": "Run prediction over the predict dataloader.",
+}
+TOOLS = {
+    "export": "Write a checkpoint's model to model.safetensors (or shards with an index), streaming piece by piece.",
 }
 DEMO_MODEL = "trainkit.demo.gpt.DemoGPT"
 DEMO_DATA = "trainkit.demo.markov.MarkovData"
@@ -67,7 +73,28 @@ def build_parser(model_class: type[TrainModule] | None = None,
     for name in SUBCOMMANDS:
         subcommands.add_subcommand(name, _subcommand_parser(name, model_class, datamodule_class),
                                    help=SUBCOMMANDS[name])
+    subcommands.add_subcommand("export", _export_parser(), help=TOOLS["export"])
     return parser
+
+
+def _export_parser() -> ArgumentParser:
+    parser = ArgumentParser(description=TOOLS["export"], exit_on_error=True)
+    parser.add_argument("checkpoint", type=str, help="A checkpoint directory, or a directory with a `latest` pointer.")
+    parser.add_argument("out", type=str, help="Directory to write the safetensors file(s) into.")
+    parser.add_argument("--max_shard_size", type=str | None, default=None,
+                        help='Shards of at most this size ("5GB", "500MB") plus model.safetensors.index.json.')
+    parser.add_argument("--dtype", type=str | None, default=None,
+                        help='Convert floating-point tensors: "fp32", "bf16" or "fp16" (default: as stored).')
+    return parser
+
+
+def _export(cfg: Namespace, parser: ArgumentParser) -> None:
+    try:
+        files = export(cfg.checkpoint, cfg.out, cfg.max_shard_size, cfg.dtype)
+    except (CheckpointError, ValueError, OSError) as err:
+        parser.error(str(err))
+    for path in files:
+        print(path)
 
 
 def normalize_argv(argv: Sequence[str]) -> list[str]:
@@ -77,7 +104,7 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
     jsonargparse needs to accept the strategy's own options.
     """
     argv = list(argv)
-    if argv and argv[0] not in SUBCOMMANDS:
+    if argv and argv[0] not in SUBCOMMANDS and argv[0] not in TOOLS:
         for i, token in enumerate(argv):
             if token in SUBCOMMANDS and not (i > 0 and argv[i - 1].startswith("--") and "=" not in argv[i - 1]
                                              and argv[i - 1] not in ("--print_config",)):
@@ -126,6 +153,9 @@ def main(model_class: type[TrainModule] | None = None, datamodule_class: type[Da
     cfg = parser.parse_args(argv)
     subcommand = cfg.subcommand
     sub_parser = parser._subcommands_action._name_parser_map[subcommand]
+    if subcommand == "export":
+        _export(cfg[subcommand], sub_parser)
+        return
     try:
         trainer, model, data = _instantiate(parser, cfg, subcommand)
     except (ValueError, TypeError, KeyError, RuntimeError) as err:
@@ -137,6 +167,10 @@ def main(model_class: type[TrainModule] | None = None, datamodule_class: type[Da
     except (PeerError, CheckpointError) as err:
         print(f"trainkit: error (rank {trainer.global_rank}): {err}", file=sys.stderr)
         sys.exit(1)
+    except Preempted as stop:
+        print(f"trainkit: rank {trainer.global_rank} {stop}", file=sys.stderr, flush=True)
+        launcher.wait_children()
+        sys.exit(PREEMPTED_EXIT_CODE)
     code = launcher.wait_children()
     if code:
         print(f"trainkit: error: a launched rank exited with code {code}.", file=sys.stderr)

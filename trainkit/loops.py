@@ -198,9 +198,10 @@ class FitLoop:
 
     def __init__(self, config: LoopConfig, progress: Progress, module: nn.Module, strategy: Strategy,
                  step: OptimizerStep, hooks: HookDispatch, results: Results, data: DataConnector,
-                 evaluation: EvalLoop, emit: Emit) -> None:
+                 evaluation: EvalLoop, emit: Emit, boundary: Callable[[], None] = lambda: None) -> None:
         self.config, self.progress, self.module, self.strategy, self.step = config, progress, module, strategy, step
         self.hooks, self.results, self.data, self.evaluation, self.emit = hooks, results, data, evaluation, emit
+        self.boundary = boundary  # after each optimizer step and its batch-end hooks, on every rank
         self.pending_rng: dict | None = None  # a resumed run's random state, applied when its epoch starts
         self.validates = bool(data.val_dataloaders) and has_validation(module, strategy)
 
@@ -271,12 +272,13 @@ class FitLoop:
             boundary = step.window + 1 == k or batch_idx + 1 >= limit
             outputs = step.micro_step(module, batch, batch_idx, boundary)
             batch_idx += 1
-            if boundary:
-                self._finish_step(batch_idx, val_every)
+            stepped = boundary and self._finish_step(batch_idx, val_every)
             for hook in batch_end:
                 hook(outputs, batch, batch_idx - 1)
-        if batch_idx != p.batch_idx:  # a window cut short by the data (no length known, or fewer batches)
-            self._finish_step(batch_idx, val_every)
+            if stepped:
+                self.boundary()
+        if batch_idx != p.batch_idx and self._finish_step(batch_idx, val_every):  # a window cut short by the data
+            self.boundary()
         if self.done and batch_idx < limit:
             return
         if c.limit_train_batches is None:
@@ -295,14 +297,15 @@ class FitLoop:
     def _metrics(self) -> dict[str, float]:
         return self.results.local_values(prog_bar_only=False)
 
-    def _finish_step(self, batch_idx: int, val_every: float) -> None:
-        """The optimizer boundary: the step, then logging and validation on their schedules."""
+    def _finish_step(self, batch_idx: int, val_every: float) -> bool:
+        """The optimizer boundary: the step, then logging and validation on their schedules. False when the
+        window ran no backward (every micro-batch returned None) and nothing was stepped."""
         p, c = self.progress, self.config
         p.total_batches += batch_idx - p.batch_idx
         p.batch_idx = batch_idx
         stepped = self.step.step()
-        if stepped is None:  # every micro-batch of the window returned None: nothing to step
-            return
+        if stepped is None:
+            return False
         p.global_step += 1
         if stepped:  # a step skipped for overflow does not advance the LR schedule
             self.step.step_scheduler("step", p.global_step, self._metrics)
@@ -312,6 +315,7 @@ class FitLoop:
         if counted // val_every > p.val_marker and self._validation_epoch():
             p.val_marker = int(counted // val_every)
             self._validate(c.limit_val_batches)
+        return True
 
     def _val_schedule(self, limit: float) -> float:
         """Training batches between validations, or inf to validate at epoch ends only.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -15,6 +16,7 @@ from torch.utils.data import DataLoader
 from trainkit import checkpoint as ckpt
 from trainkit import launcher, resume
 from trainkit.activation import apply_activation_checkpointing
+from trainkit.async_checkpoint import AsyncSaver
 from trainkit.callbacks.base import Callback
 from trainkit.callbacks.checkpointing import ModelCheckpoint
 from trainkit.callbacks.progress import ProgressBar
@@ -27,6 +29,7 @@ from trainkit.optim import OptimizerConfig, parse_optimizers
 from trainkit.properties import TrainerProperties
 from trainkit.results import Results
 from trainkit.seed import rng_state, seed_everything
+from trainkit.signals import Preempted, StepSignals
 from trainkit.step import OptimizerStep, StepConfig
 from trainkit.utils import model_summary
 from trainkit_strategies import DynamicLossScaler, Precision, ShardedInit, Strategy
@@ -124,6 +127,8 @@ class Trainer(TrainerProperties):
         self.devices, self.num_nodes, self.accelerator, self.timeout_s = devices, num_nodes, accelerator, timeout_s
         self.env = launcher.connect(accelerator, devices, num_nodes, timeout_s)
         self.strategy = self._resolve_strategy(strategy)
+        self.signals = StepSignals(self.strategy.comm.control())  # preemption and checkpoint progress
+        self.saver = AsyncSaver()  # the asynchronous checkpoint in flight, if any
         launcher.joined()
 
         self.fast_dev_run = int(fast_dev_run)
@@ -226,10 +231,35 @@ class Trainer(TrainerProperties):
     ) -> list[Any]:
         return self._run("predict", module, datamodule, ckpt_path, evaluation=dataloaders)
 
-    def save_checkpoint(self, dirpath: str | Path, name: str, update_latest: bool = True) -> Path:
-        """Write a universal checkpoint ``dirpath/name`` (collective: every rank calls it)."""
-        return ckpt.save(dirpath, name, self.strategy, resume.checkpoint_meta(self), self.strategy.state_pieces(),
-                         {"rng": rng_state()}, update_latest)
+    def save_checkpoint(self, dirpath: str | Path, name: str, update_latest: bool = True, async_save: bool = False,
+                        on_commit: Callable[[Path], None] | None = None) -> Path:
+        """Write a universal checkpoint ``dirpath/name`` (collective: every rank calls it). With ``async_save``
+        the state is copied to host memory now and written in the background; the checkpoint (and ``latest``)
+        appears once every rank's file is durable, at a later step boundary, and ``on_commit(path)`` runs then.
+        A save waits for the one before it."""
+        meta, pieces, rank_state = resume.checkpoint_meta(self), self.strategy.state_pieces(), {"rng": rng_state()}
+        if async_save:
+            self.saver.start(Path(dirpath), name, self.strategy, meta, pieces, rank_state, update_latest, on_commit)
+            return Path(dirpath) / name
+        self.saver.finish(self.strategy)
+        path = ckpt.save(dirpath, name, self.strategy, meta, pieces, rank_state, update_latest)
+        if on_commit is not None:
+            on_commit(path)
+        return path
+
+    def _at_boundary(self) -> None:
+        """After every optimizer step, on every rank: commit a durable asynchronous checkpoint; on preemption,
+        save and stop."""
+        preempt, written = self.signals.poll(self.saver)
+        if written:
+            self.saver.commit(self.strategy)
+        if preempt:
+            callback = self.checkpoint_callback
+            if callback is not None:
+                path = callback.save(self, wait=True)
+            else:
+                path = self.save_checkpoint(self.checkpoint_dir, f"preempted-step={self.global_step}")
+            raise Preempted(self.global_step, path)
 
     def resolve_ckpt_path(self, ckpt_path: str | Path) -> Path | None:
         """The checkpoint ``ckpt_path`` ("last", a checkpoint, or a directory with ``latest``) names."""
@@ -279,7 +309,7 @@ class Trainer(TrainerProperties):
                                                                self.gradient_clip_algorithm),
                                      self.scaler, hooks, self.optimizer_config, loss_logger(self.results))
                 self.fit_loop = FitLoop(config, self.progress, module, self.strategy, step, hooks, self.results,
-                                        self.data, self.evaluation, self._emit)
+                                        self.data, self.evaluation, self._emit, self._at_boundary)
             path = self.resolve_ckpt_path(ckpt_path) if ckpt_path is not None else None
             if path is not None:
                 random_state = resume.restore(self, path, fn)
@@ -288,7 +318,9 @@ class Trainer(TrainerProperties):
             if fn == "fit":
                 assert self.fit_loop is not None
                 self._log_hyperparams()
+                self.signals.install()
                 self.fit_loop.run()
+                self.saver.finish(self.strategy)  # the last asynchronous checkpoint is committed when fit returns
                 return None
             if fn == "predict":
                 return self.evaluation.predict(module, self.data.val_dataloaders, self.limit_predict_batches)
@@ -309,6 +341,7 @@ class Trainer(TrainerProperties):
                 raise PeerError(f"{exc}\n{resume.resume_hint(self.checkpoint_dir)}") from exc
             raise
         finally:
+            self.signals.uninstall(clean=sys.exc_info()[0] is None)
             hooks("teardown", fn)
             if self.datamodule is not None:
                 self.datamodule.teardown(fn)

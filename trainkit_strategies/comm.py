@@ -45,6 +45,25 @@ def _destroy_at_exit() -> None:
             dist.destroy_process_group()
 
 
+def _elastic_store(env: Environment, timeout: timedelta) -> Any:
+    """The store this round of ranks meets in.
+
+    Outside torchelastic: a TCPStore served by rank 0 at MASTER_ADDR:MASTER_PORT. Under torchelastic
+    (torchrun), the store its agent provides (``env://`` reads the round's variables), with this restart
+    round's keys kept apart: torchrun's agent shares one TCPStore across restarts, so without a prefix a
+    restarted rank can read the previous round's addresses and fail to connect ("Connection refused";
+    pytorch/pytorch#135712). ``TORCHELASTIC_RESTART_COUNT`` numbers the rounds, consistently across nodes
+    as long as they restart together; for jobs whose nodes join or leave, run torchrun with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a fresh store every round).
+    """
+    elastic = "TORCHELASTIC_RUN_ID" in os.environ
+    url = "env://" if elastic else f"tcp://{env.master_addr}:{env.master_port}"
+    store, _, _ = next(dist.rendezvous(url, env.rank, env.world_size, timeout=timeout))
+    if elastic:
+        store = dist.PrefixStore(f"trainkit/restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return store
+
+
 class PeerError(RuntimeError):
     """A collective failed because another rank died, raised, or stopped answering within the timeout."""
 
@@ -119,14 +138,9 @@ class Comm:
             if env.device.type == "cuda":
                 kwargs["device_id"] = env.device
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-            # Under torchelastic (torchrun) join the way its agent expects, every restart round included:
-            # env:// reads the variables the agent sets for this round (and its store settings).
-            elastic = "TORCHELASTIC_RUN_ID" in os.environ
-            init_method = "env://" if elastic else f"tcp://{env.master_addr}:{env.master_port}"
-            dist.init_process_group(
-                backend, init_method=init_method, rank=env.rank, world_size=env.world_size,
-                timeout=timedelta(seconds=env.timeout_s), **kwargs,
-            )
+            timeout = timedelta(seconds=env.timeout_s)
+            dist.init_process_group(backend, store=_elastic_store(env, timeout), rank=env.rank,
+                                    world_size=env.world_size, timeout=timeout, **kwargs)
             atexit.register(_destroy_at_exit)  # join gloo/NCCL threads before the interpreter tears down
         if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
             raise RuntimeError(
@@ -144,6 +158,15 @@ class Comm:
         if self.rank not in ranks:
             return Comm(timeout_s=self.timeout_s)
         return Comm(len(ranks), ranks.index(self.rank), group, list(ranks), self.timeout_s)
+
+    def control(self) -> Comm:
+        """A Comm over the same ranks for control-plane flags (preemption, checkpoint progress): a gloo group of
+        its own, so its small all-reduces never wait on a GPU stream nor interleave with the strategy's
+        collectives, and its bytes are counted apart from the algorithm's. Collective: every rank calls it."""
+        if not self.active:
+            return Comm(timeout_s=self.timeout_s)
+        group = self._guard(dist.new_group, self.ranks, timeout=timedelta(seconds=self.timeout_s), backend="gloo")
+        return Comm(self.world_size, self.rank, group, list(self.ranks), self.timeout_s)
 
     @property
     def active(self) -> bool:

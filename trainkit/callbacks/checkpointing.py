@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from trainkit.callbacks.base import Callback
+from trainkit.signals import Preempted
 
 if TYPE_CHECKING:
     from trainkit.module import TrainModule
@@ -29,6 +30,9 @@ class ModelCheckpoint(Callback):
         save_last: always keep the newest checkpoint and write one when training ends.
         every_n_train_steps: save every N optimizer steps.
         every_n_epochs: save at the end of every N-th epoch (default 1 when no step trigger is set).
+        async_save: copy the state to host memory at the step boundary and write the files in the
+            background while training continues; the checkpoint (and ``latest``) appears once every rank's
+            files are durable, and older checkpoints are pruned only then. A save waits for the one before.
     """
 
     def __init__(
@@ -41,6 +45,7 @@ class ModelCheckpoint(Callback):
         save_last: bool = True,
         every_n_train_steps: int | None = None,
         every_n_epochs: int | None = None,
+        async_save: bool = False,
     ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"ModelCheckpoint mode must be 'min' or 'max'; got {mode!r}.")
@@ -54,6 +59,7 @@ class ModelCheckpoint(Callback):
         self.save_top_k, self.save_last = save_top_k, save_last
         self.every_n_train_steps = every_n_train_steps
         self.every_n_epochs = every_n_epochs if every_n_epochs is not None or every_n_train_steps else 1
+        self.async_save = async_save
         self.saved: list[dict[str, Any]] = []  # {"name", "step", "score"} of checkpoints this callback keeps
         self._last_step = -1
         self._warned_missing = False
@@ -105,8 +111,9 @@ class ModelCheckpoint(Callback):
         if self.save_last and trainer.global_step != self._last_step:
             self.save(trainer)
 
-    def save(self, trainer: Trainer) -> Path | None:
-        """Write a checkpoint now (collective) and prune the ones no longer kept."""
+    def save(self, trainer: Trainer, wait: bool = False) -> Path | None:
+        """Write a checkpoint now (collective; in the background with ``async_save`` unless ``wait``) and prune
+        the ones no longer kept once it is committed."""
         if self.save_top_k == 0 and not self.save_last:
             return None
         dirpath = self.resolve_dirpath(trainer)
@@ -132,10 +139,8 @@ class ModelCheckpoint(Callback):
         self._last_step = trainer.global_step  # before saving: the checkpoint carries this callback's state
         self.saved = [s for s in self.saved if s["name"] != name]
         self.saved.append({"name": name, "step": trainer.global_step, "score": score})
-        path = trainer.save_checkpoint(dirpath, name)
-        if trainer.is_global_zero:
-            self._prune(dirpath, name)
-        return path
+        prune = (lambda _: self._prune(dirpath, name)) if trainer.is_global_zero else None
+        return trainer.save_checkpoint(dirpath, name, async_save=self.async_save and not wait, on_commit=prune)
 
     def _prune(self, dirpath: Path, newest: str) -> None:
         keep = {newest} if self.save_last or self.save_top_k != 0 else set()
@@ -165,8 +170,8 @@ class OnExceptionCheckpoint(Callback):
         self.filename = filename
 
     def on_exception(self, trainer: Trainer, module: TrainModule, exception: BaseException) -> None:
-        if trainer.state != "fit" or trainer.strategy.optimizer is None:
-            return
+        if trainer.state != "fit" or trainer.strategy.optimizer is None or isinstance(exception, Preempted):
+            return  # a preempted run has saved its checkpoint already
         if trainer.world_size > 1 and not isinstance(exception, KeyboardInterrupt):
             return
         dirpath = self.dirpath or trainer.checkpoint_dir

@@ -1,0 +1,140 @@
+"""Streaming export of a checkpoint's model to safetensors files Hugging Face tools read.
+
+A universal checkpoint holds each parameter as ranges ("pieces") spread over the ranks' files. Export
+writes the model's full tensors (the fp32 masters, names as in ``named_parameters()``, persistent
+buffers too) to ``model.safetensors``, or to shards of at most ``max_shard_size`` bytes with a
+``model.safetensors.index.json`` (``{"metadata": {"total_size"}, "weight_map": {name: file}}``).
+
+Nothing is assembled in memory: the safetensors header is computed from the checkpoint's table of
+shapes and dtypes, then every piece is copied straight to its byte offset in the output, so peak
+memory is one piece, however large the model (DeepSpeed's ``zero_to_fp32`` needs the whole model in
+RAM).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainkit.checkpoint import LATEST, META, CheckpointError, CheckpointReader, latest
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+          "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: str | int) -> int:
+    """Bytes in ``size``: an int, or a string such as "5GB", "500MB", "2GiB" (Hugging Face's convention)."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*([\d.]+)\s*([A-Za-z]*)\s*", str(size))
+    if match is None or match.group(2).upper() not in _UNITS:
+        raise ValueError(f"Cannot read the size {size!r}; write it like 5GB, 500MB or 2GiB.")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def _plan(entries: list[tuple[str, tuple[int, ...], torch.dtype]], max_shard_size: int | None,
+          ) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
+    """Tensors, in order, grouped into shards of at most ``max_shard_size`` bytes (a larger tensor alone)."""
+    if max_shard_size is None:
+        return [entries]
+    shards: list[list] = [[]]
+    size = 0
+    for entry in entries:
+        nbytes = math.prod(entry[1]) * entry[2].itemsize
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    return shards
+
+
+def _write_shard(path: Path, entries: list[tuple[str, tuple[int, ...], torch.dtype]], reader: CheckpointReader,
+                 source: dict[str, str]) -> int:
+    """Write one safetensors file, piece by piece at computed offsets; returns its payload bytes."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, dtype in entries:
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the payload starts 8-byte aligned
+    start = 8 + len(text)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        f.truncate(start + offset)
+        for name, _, dtype in entries:
+            base = start + header[name]["data_offsets"][0]
+            for key, lo, hi in reader.pieces(source[name]):
+                data = reader.read(key, lo, hi).to(dtype).contiguous()
+                f.seek(base + lo * dtype.itemsize)
+                f.write(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return offset
+
+
+def export(checkpoint: str | Path, out: str | Path, max_shard_size: str | int | None = None,
+           dtype: str | None = None) -> list[Path]:
+    """Write the model of ``checkpoint`` (a checkpoint directory, or one holding a ``latest`` pointer) into
+    the directory ``out``; returns the files written.
+
+    Args:
+        max_shard_size: split into ``model-0000i-of-0000n.safetensors`` files of at most this size (bytes, or
+            "5GB"-style) plus ``model.safetensors.index.json``; None writes one ``model.safetensors``.
+        dtype: "fp32", "bf16" or "fp16" to convert floating-point tensors; None keeps the stored dtypes.
+    """
+    path = Path(checkpoint)
+    if not (path / META).is_file() and (path / LATEST).is_file():
+        found = latest(path)
+        assert found is not None
+        path = found
+    reader = CheckpointReader(path)
+    if dtype is not None and dtype not in _DTYPE_NAMES:
+        raise ValueError(f"export dtype must be one of {sorted(_DTYPE_NAMES)}; got {dtype!r}.")
+    entries, source = [], {}
+    for key in reader.keys():
+        if not key.startswith("model/"):
+            continue
+        info = reader.info(key)
+        assert info is not None
+        shape, stored = info
+        target = _DTYPE_NAMES[dtype] if dtype is not None and stored.is_floating_point else stored
+        name = key.removeprefix("model/")
+        entries.append((name, shape, target))
+        source[name] = key
+    if not entries:
+        raise CheckpointError(f"{path} holds no model tensors to export.")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    shards = _plan(entries, parse_size(max_shard_size) if max_shard_size is not None else None)
+    if len(shards) == 1 and max_shard_size is None:
+        target = out / "model.safetensors"
+        _write_shard(target, shards[0], reader, source)
+        return [target]
+    files, weight_map, total = [], {}, 0
+    for i, shard in enumerate(shards, start=1):
+        target = out / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        total += _write_shard(target, shard, reader, source)
+        weight_map |= {name: target.name for name, _, _ in shard}
+        files.append(target)
+    index = out / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return [*files, index]

@@ -1,0 +1,93 @@
+"""Preemption, and what every rank agrees on at an optimizer-step boundary.
+
+SLURM and Kubernetes send SIGTERM before they kill a job (SLURM's ``--signal=USR1@90`` sends SIGUSR1
+ahead of time). During ``fit`` trainkit turns either signal, on any rank, into one checkpoint written
+by every rank at a step boundary and an exit with ``PREEMPTED_EXIT_CODE`` (75, ``EX_TEMPFAIL``: try
+again); running the same command again with ``ckpt_path="last"`` continues exactly.
+
+A signal reaches one rank, but the decision must be the same on all of them, so at every boundary the
+ranks all-reduce two flags on a control-plane group (``Comm.control``): "a signal arrived here" and
+"my file of the pending asynchronous checkpoint is durable". The reduce is asynchronous: it is posted
+at one boundary and read at the next, so it costs no waiting, and the agreed decision comes one
+step after the flag was raised (at once on a single process).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import Any
+
+import torch
+
+from trainkit.async_checkpoint import AsyncSaver
+from trainkit_strategies.comm import Comm, Handle
+
+PREEMPTED_EXIT_CODE = 75
+SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
+
+
+class Preempted(SystemExit):
+    """Raised on every rank after the preemption checkpoint is committed; exits with ``PREEMPTED_EXIT_CODE``."""
+
+    def __init__(self, step: int, checkpoint: Any) -> None:
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.step, self.checkpoint = step, checkpoint
+
+    def __str__(self) -> str:
+        return (f"preempted at step {self.step}: checkpoint {self.checkpoint} is committed; run the same command "
+                f"with ckpt_path='last' (--ckpt_path last) to continue (exit code {PREEMPTED_EXIT_CODE}).")
+
+
+class StepSignals:
+    """Catches preemption signals during fit and agrees on them, and on checkpoint progress, at boundaries."""
+
+    def __init__(self, control: Comm) -> None:
+        self.control = control
+        self.requested = False  # a signal arrived on this rank
+        self.signal_name = ""
+        self._previous: dict[int, Any] = {}
+        self._handle: Handle | None = None
+        self._flags = torch.zeros(2, dtype=torch.int32, device="cpu")
+        self._serial = 0  # the asynchronous save the posted flags are about
+
+    def install(self) -> None:
+        """Catch SIGTERM and SIGUSR1 until ``uninstall`` (only the main thread can; elsewhere nothing changes)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if not self.requested:
+            self.signal_name = signal.Signals(signum).name
+            print(f"trainkit: received {self.signal_name}; saving a checkpoint at the next optimizer step and "
+                  "stopping.", file=sys.stderr, flush=True)
+        self.requested = True
+
+    def uninstall(self, clean: bool = True) -> None:
+        """Restore the previous handlers; with ``clean`` (every rank got here), also wait for the posted reduce."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+        if clean and self._handle is not None:
+            self._handle.wait()
+        self._handle = None
+
+    def poll(self, saver: AsyncSaver) -> tuple[bool, bool]:
+        """At a boundary (every rank): whether every rank should stop for preemption, and whether every rank's
+        file of the pending asynchronous save is durable (the save can be committed)."""
+        if not self.control.active:
+            return self.requested, saver.written
+        preempt = written = False
+        if self._handle is not None:
+            self._handle.wait()
+            preempt = bool(self._flags[0] > 0)
+            written = bool(self._flags[1] == self.control.world_size) and saver.pending \
+                and self._serial == saver.serial
+        self._flags = torch.tensor([int(self.requested), int(saver.written)], dtype=torch.int32, device="cpu")
+        self._serial = saver.serial
+        self._handle = self.control.all_reduce(self._flags, async_op=True)
+        return preempt, written
