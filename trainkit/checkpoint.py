@@ -27,15 +27,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor
 
 from trainkit_strategies import Strategy
 from trainkit_strategies.state import Piece
 
-_FROM_SAFETENSORS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                     "BOOL": torch.bool}
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+_FROM_SAFETENSORS = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 FORMAT = "trainkit-checkpoint"
 VERSION = 1
 LATEST = "latest"
@@ -110,16 +111,46 @@ def begin(dirpath: str | Path, name: str, strategy: Strategy, meta: dict[str, An
     return staged
 
 
+def safetensors_header(entries: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> tuple[bytes, dict[str, int]]:
+    """The safetensors header for tensors ``(name, shape, dtype)`` laid out in order (8-byte length, JSON padded
+    so the payload starts 8-byte aligned), and each tensor's byte offset in the payload."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offsets, offset = {}, 0
+    for name, shape, dtype in entries:
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offsets[name] = offset
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text, offsets
+
+
+def write_safetensors(path: Path, tensors: dict[str, Tensor]) -> str:
+    """Write host ``tensors`` as a safetensors file and fsync it; returns its sha256, hashed from the bytes as
+    they are written (nothing is serialised into a second buffer, and the file is never read back)."""
+    header, _ = safetensors_header((name, tuple(t.shape), t.dtype) for name, t in tensors.items())
+    digest = hashlib.sha256(header)
+    with open(path, "wb") as f:
+        f.write(header)
+        for t in tensors.values():
+            data = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+            f.write(data)
+            digest.update(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return digest.hexdigest()
+
+
 def write_rank_file(tmp: Path, rank: int, pieces: list[Piece]) -> Written:
     """Write this rank's pieces (host tensors) into ``tmp`` and make them durable; no communication."""
     filename = f"rank{rank:05d}.safetensors"
     written = Written(table=[(p.key, list(p.shape), _dtype_name(p.dtype), p.start, p.stop, filename) for p in pieces])
     if pieces:
         path = tmp / filename
-        save_file({f"{p.key}@{p.start}": p.data for p in pieces}, str(path))
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-        written.files[filename] = {"sha256": _sha256(path), "bytes": path.stat().st_size}
+        sha = write_safetensors(path, {f"{p.key}@{p.start}": p.data for p in pieces})
+        written.files[filename] = {"sha256": sha, "bytes": path.stat().st_size}
     return written
 
 
@@ -275,8 +306,14 @@ class CheckpointReader:
         entry = header[name]
         dtype = _FROM_SAFETENSORS[entry["dtype"]]
         offset = payload + entry["data_offsets"][0] + lo * dtype.itemsize
-        data = bytearray(os.pread(fd, (hi - lo) * dtype.itemsize, offset))
-        return torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype, device="cpu")
+        out = torch.empty((hi - lo) * dtype.itemsize, dtype=torch.uint8, device="cpu")
+        view, done = memoryview(out.numpy()), 0
+        while done < len(view):  # straight into the tensor's memory, no intermediate bytes
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got == 0:
+                raise CheckpointError(f"Checkpoint file {self.path / file} ended early while reading {name}.")
+            done += got
+        return out.view(dtype)
 
     def _verify(self, file: str) -> None:
         path = self.path / file

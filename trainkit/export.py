@@ -18,17 +18,11 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from trainkit.checkpoint import LATEST, META, CheckpointError, CheckpointReader, latest
+from trainkit.checkpoint import LATEST, META, CheckpointError, CheckpointReader, latest, safetensors_header
 
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
 _DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
           "GIB": 2**30, "TIB": 2**40}
@@ -64,31 +58,22 @@ def _plan(entries: list[tuple[str, tuple[int, ...], torch.dtype]], max_shard_siz
 def _write_shard(path: Path, entries: list[tuple[str, tuple[int, ...], torch.dtype]], reader: CheckpointReader,
                  source: dict[str, str]) -> int:
     """Write one safetensors file, piece by piece at computed offsets; returns its payload bytes."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, shape, dtype in entries:
-        nbytes = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the payload starts 8-byte aligned
-    start = 8 + len(text)
+    header, offsets = safetensors_header(entries)
+    size = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in entries)
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
-        f.write(len(text).to_bytes(8, "little"))
-        f.write(text)
-        f.truncate(start + offset)
+        f.write(header)
+        f.truncate(len(header) + size)
         for name, _, dtype in entries:
-            base = start + header[name]["data_offsets"][0]
+            base = len(header) + offsets[name]
             for key, lo, hi in reader.pieces(source[name]):
                 data = reader.read(key, lo, hi).to(dtype).contiguous()
                 f.seek(base + lo * dtype.itemsize)
-                f.write(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+                f.write(data.view(torch.uint8).numpy().data)  # the tensor's bytes, not a copy of them
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    return offset
+    return size
 
 
 def export(checkpoint: str | Path, out: str | Path, max_shard_size: str | int | None = None,

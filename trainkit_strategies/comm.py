@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -43,6 +44,11 @@ def _destroy_at_exit() -> None:
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+        # A gloo worker thread frees a finished collective's tensors after it has woken the waiting thread;
+        # freeing a tensor Python has let go of needs the GIL, and a thread that asks for it once the
+        # interpreter is finalizing is ended mid-destructor: "terminate called without an active
+        # exception" (SIGABRT). Releasing the GIL for a moment lets those frees finish first.
+        time.sleep(0.1)
 
 
 def _elastic_store(env: Environment, timeout: timedelta) -> Any:
@@ -59,9 +65,10 @@ def _elastic_store(env: Environment, timeout: timedelta) -> Any:
     elastic = "TORCHELASTIC_RUN_ID" in os.environ
     url = "env://" if elastic else f"tcp://{env.master_addr}:{env.master_port}"
     store, _, _ = next(dist.rendezvous(url, env.rank, env.world_size, timeout=timeout))
+    store.set_timeout(timeout)
     if elastic:
         store = dist.PrefixStore(f"trainkit/restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    return store
+    return dist.PrefixStore("default_pg", store)
 
 
 class PeerError(RuntimeError):

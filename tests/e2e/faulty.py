@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 from trainkit.demo.gpt import DemoGPT
 
 
 class DiesAtStep(DemoGPT):
-    """Rank ``rank`` kills itself (SIGKILL), raises, or hangs when training reaches ``step``."""
+    """Rank ``rank`` kills itself (SIGKILL), raises, hangs, or receives SIGTERM (``term``: once per working
+    directory, so the same command run again continues) when training reaches ``step``."""
 
     def __init__(self, rank: int = 1, step: int = 15, how: str = "kill", **kwargs) -> None:
         super().__init__(**kwargs)
@@ -23,6 +25,11 @@ class DiesAtStep(DemoGPT):
                 os.kill(os.getpid(), signal.SIGKILL)
             elif how == "raise":
                 raise RuntimeError("injected failure")
+            elif how == "term":
+                marker = Path(f".terminated-rank{rank}")
+                if not marker.exists():
+                    marker.touch()
+                    os.kill(os.getpid(), signal.SIGTERM)
             else:
                 time.sleep(3600)
         return super().training_step(batch, batch_idx)

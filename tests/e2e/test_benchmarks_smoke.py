@@ -28,3 +28,10 @@ def test_cpu_optimizer_smoke():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "zero_offload step_shards (32)" in proc.stdout
+
+
+def test_checkpoint_smoke():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "checkpoint.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "async stall / sync stall" in proc.stdout

@@ -65,15 +65,15 @@ def test_crash_mid_write_keeps_latest_on_previous_checkpoint(tmp_path, monkeypat
     _train(tmp_path, 10)
     dirpath = tmp_path / "checkpoints"
     assert (dirpath / "latest").read_text() == "epoch=0-step=10"
-    real_save = ckpt.save_file
+    real_save = ckpt.write_safetensors
 
-    def crash_half_way(tensors, filename):
-        real_save(tensors, filename)
-        with open(filename, "r+b") as f:
+    def crash_half_way(path, tensors):
+        real_save(path, tensors)
+        with open(path, "r+b") as f:
             f.truncate(f.seek(0, 2) // 2)
         raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(ckpt, "save_file", crash_half_way)
+    monkeypatch.setattr(ckpt, "write_safetensors", crash_half_way)
     with pytest.raises(OSError, match="simulated"):
         _train(tmp_path, 20, ckpt_path="last")
     monkeypatch.undo()
