@@ -57,23 +57,23 @@ class Regression(tk.TrainModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = F.mse_loss(self(x).float(), y)
+        loss = F.mse_loss(self(x).float(), y.float())
         self.log("train_loss", loss)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
-        self.log("val_loss", F.mse_loss(self(x).float(), y))
+        self.log("val_loss", F.mse_loss(self(x).float(), y.float()))
 
     # pipeline strategy: the same model as layers, the same loss on the last layer's output
     def pipeline_layers(self) -> list[nn.Module]:
         return list(self.net)
 
     def pipeline_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
-        return F.mse_loss(output.float(), batch[1])
+        return F.mse_loss(output.float(), batch[1].float())
 
     def pipeline_validation_step(self, output: torch.Tensor, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
-        return {"val_loss": F.mse_loss(output.float(), batch[1])}
+        return {"val_loss": F.mse_loss(output.float(), batch[1].float())}
 
     def configure_optimizers(self) -> Any:
         opt = adamw_groups(self, self.hparams.lr)

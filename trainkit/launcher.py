@@ -24,6 +24,7 @@ from trainkit_strategies import Environment
 
 _children: list[subprocess.Popen] = []
 _grace_s = 60.0
+FAILED_GRACE_S = 15.0
 _joined = threading.Event()  # set once this process has joined the process group
 
 
@@ -126,6 +127,13 @@ def _launch(devices: int, timeout_s: float) -> None:
     _grace_s = timeout_s + 30.0
     atexit.register(wait_children)
     threading.Thread(target=_watch_startup, name="trainkit-launch-watch", daemon=True).start()
+
+
+def failed() -> None:
+    """This rank's run failed (a peer died, say): launched ranks still running 15 s after it finishes are
+    stuck on the same failure, not slow, so they are stopped then instead of after ``timeout_s + 30``."""
+    global _grace_s
+    _grace_s = min(_grace_s, FAILED_GRACE_S)
 
 
 def wait_children() -> int:

@@ -337,6 +337,8 @@ class Trainer(TrainerProperties):
                     rank_zero_warn(f"{type(cb).__name__}.on_exception failed: {cb_exc!r}")
             if self.world_size > 1:
                 self.strategy.comm.abort()
+                if not isinstance(exc, Preempted):
+                    launcher.failed()
             if isinstance(exc, PeerError):
                 raise PeerError(f"{exc}\n{resume.resume_hint(self.checkpoint_dir)}") from exc
             raise
