@@ -129,6 +129,7 @@ class EvalLoop:
             sanity: bool = False) -> dict[str, float]:
         """Evaluate ``module`` for ``fn`` ("validate" or "test") over ``loaders``; returns the epoch metrics."""
         prefix = "validation" if fn == "validate" else "test"
+        self.strategy.settle()  # evaluate the parameters of every step taken
         was_training = module.training
         module.eval()
         results = self.results
@@ -234,6 +235,7 @@ class FitLoop:
         self.hooks("on_train_start")
         while not self.done:
             self.run_epoch()
+        self.strategy.settle()
         self.hooks("on_train_end")
         self.hooks("on_fit_end")
 

@@ -238,6 +238,10 @@ class Strategy(ABC):
         assert self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
 
+    def settle(self) -> None:
+        """Finish work a strategy keeps in flight across steps (a delayed parameter update, say), so the working
+        parameters hold every step taken. Collective; the Trainer calls it before evaluating and after fit."""
+
     def sync_buffers(self) -> None:
         """Broadcast rank 0's floating-point buffers (BatchNorm running statistics, say) to every rank, in one
         coalesced collective per dtype; data-parallel strategies call it after each optimizer step, so all

@@ -137,7 +137,7 @@ class BucketReducer:
     def __init__(self, comm: Comm, dtype: torch.dtype, device: torch.device, size: int) -> None:
         self.comm, self.dtype, self.device, self.size = comm, dtype, device, size
         self.buffer: Tensor | None = None
-        self.pending: list[tuple[Handle, Tensor | None, Tensor]] = []
+        self.pending: list[tuple[Handle, Tensor | None, Tensor, Callable[[], None] | None]] = []
 
     def fill(self, bucket: FlatBucket) -> Tensor:
         self.finish()
@@ -153,14 +153,19 @@ class BucketReducer:
         source[bucket.numel :].zero_()
         return source
 
-    def reduce(self, source: Tensor, shard: Tensor, accumulate: bool) -> None:
+    def reduce(self, source: Tensor, shard: Tensor, accumulate: bool,
+               on_done: Callable[[], None] | None = None) -> None:
+        """Start reduce-scattering ``source`` into ``shard`` (added to it with ``accumulate``); ``on_done`` runs
+        once the result is in ``shard``."""
         out = torch.empty_like(shard) if accumulate else shard
         handle = self.comm.reduce_scatter(out, source, async_op=True)
-        self.pending.append((handle, out if accumulate else None, shard))
+        self.pending.append((handle, out if accumulate else None, shard, on_done))
 
     def finish(self) -> None:
-        for handle, reduced, shard in self.pending:
+        for handle, reduced, shard, on_done in self.pending:
             handle.wait()
             if reduced is not None:
                 shard.add_(reduced)
+            if on_done is not None:
+                on_done()
         self.pending.clear()

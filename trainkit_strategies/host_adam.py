@@ -71,6 +71,8 @@ class ChunkedAdam:
         flat = [t.view(-1) for t in (master, grad, state["exp_avg"], state["exp_avg_sq"])]
         maxes = state["max_exp_avg_sq"].view(-1) if amsgrad else None
         numel = master.numel()
+        if out is not None and out.data_ptr() == master.data_ptr():
+            out = None  # the master is its own working copy
         convert = grad.dtype != master.dtype
         if convert and (self._scratch is None or self._scratch.numel() < min(self.chunk, numel)):
             self._scratch = torch.empty(min(self.chunk, max(numel, 1)), dtype=master.dtype, device="cpu")

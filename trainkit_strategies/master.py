@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 from trainkit_strategies import state as st
 from trainkit_strategies.base import sharded_norm
 from trainkit_strategies.flat import FlatBucket
+from trainkit_strategies.host_adam import ChunkedAdam, chunked_adam_supported
 
 _FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
@@ -52,6 +53,16 @@ class DeferredGradScale:
         return mult
 
 
+def transfer(dst: Tensor, src: Tensor) -> Tensor:
+    """Every host<->device copy of an offloaded step goes through here: one bulk, non-blocking copy of a
+    whole bucket's piece, never a dtype conversion across the bus (tests count these calls)."""
+    if dst.dtype != src.dtype:
+        raise TypeError(f"transfer copies without converting; got {src.dtype} into {dst.dtype}.")
+    if dst.data_ptr() != src.data_ptr():
+        dst.copy_(src, non_blocking=True)
+    return dst
+
+
 class MasterShards:
     """Master pieces for ``buckets`` (each with ``group`` set), laid out group by group.
 
@@ -60,17 +71,25 @@ class MasterShards:
         groups: number of optimizer param groups.
         dtype: master dtype. device: compute device.
         offload: keep pieces in host memory (all but the first ``1 - ratio`` of each group's shard).
-        host_grads: keep a host gradient buffer in the master dtype (when gradients need converting).
+        grad_dtype: the dtype gradients arrive in; on a GPU, host pieces get pinned staging buffers of that
+            dtype (gradients cross the bus as they are, and are converted on the host).
+        low_dtype: the compute dtype; on a GPU, host pieces get pinned buffers where the step writes the
+            updated piece in it, for one bulk copy back per bucket.
     """
 
     def __init__(self, buckets: Sequence[FlatBucket], groups: int, dtype: torch.dtype, device: torch.device,
-                 offload: bool = False, ratio: float = 1.0, host_grads: bool = False) -> None:
-        self.buckets, self.offload = list(buckets), offload
+                 offload: bool = False, ratio: float = 1.0, grad_dtype: torch.dtype | None = None,
+                 low_dtype: torch.dtype | None = None) -> None:
+        self.buckets, self.offload, self.device = list(buckets), offload, device
         self.pieces: dict[int, Tensor] = {}
         self.on_host: set[int] = set()
-        self.host_grad: dict[int, Tensor] = {}
+        self.host_grad: dict[int, Tensor] = {}  # pinned staging of gradients arriving from the GPU
+        self.host_low: dict[int, Tensor] = {}  # pinned compute-dtype copies of updated host pieces, for the GPU
         self.flats: list[Tensor] = []  # every allocation, for memory reports
-        pin = offload and torch.cuda.is_available()
+        self._written: set[int] = set()  # buckets whose compute-dtype copy the last step wrote in place
+        self._staged: set[int] = set()  # buckets whose pinned compute-dtype copy the last step wrote
+        self._chunked: ChunkedAdam | None = None
+        staged = offload and device.type == "cuda"
         for g in range(groups):
             members = [b for b in self.buckets if b.group == g]
             total = sum(b.piece for b in members)
@@ -85,21 +104,31 @@ class MasterShards:
                 if not size:
                     continue
                 host = place.type == "cpu" and offload
-                flat = torch.zeros(size, dtype=dtype, device=place, pin_memory=pin and host)
-                grads = torch.zeros(size, dtype=dtype, device=place, pin_memory=pin and host) \
-                    if host and host_grads else None
+                flat = torch.zeros(size, dtype=dtype, device=place, pin_memory=staged and host)
                 self.flats.append(flat)
+                extra = {}
+                if host and staged:
+                    for name, kind in (("grad", grad_dtype), ("low", low_dtype)):
+                        if kind is not None:
+                            extra[name] = torch.zeros(size, dtype=kind, device=place, pin_memory=True)
                 offset = 0
                 for b in chosen:
                     self.pieces[b.index] = flat[offset : offset + b.piece]
                     if host:
                         self.on_host.add(b.index)
-                    if grads is not None:
-                        self.host_grad[b.index] = grads[offset : offset + b.piece]
+                    if "grad" in extra:
+                        self.host_grad[b.index] = extra["grad"][offset : offset + b.piece]
+                    if "low" in extra:
+                        self.host_low[b.index] = extra["low"][offset : offset + b.piece]
                     offset += b.piece
 
     def __getitem__(self, bucket: FlatBucket) -> Tensor:
         return self.pieces[bucket.index]
+
+    def add_low_buffers(self, dtype: torch.dtype) -> None:
+        """Give host pieces compute-dtype buffers of their own (see ``separate_low``) if they have none."""
+        for index in self.on_host - self.host_low.keys():
+            self.host_low[index] = torch.zeros(self.pieces[index].numel(), dtype=dtype, device="cpu")
 
     def retarget(self, optimizer: Optimizer) -> None:
         """Point each param group at its buckets' pieces (one tensor per bucket), keeping its hyperparameters;
@@ -109,25 +138,69 @@ class MasterShards:
             group["params"] = [self.pieces[b.index] for b in self.buckets if b.group == g]
             if self.offload and isinstance(optimizer, _FUSED) and "fused" in group:
                 group["fused"], group["foreach"] = True, False
+        self._chunked = ChunkedAdam(optimizer) if self.offload and chunked_adam_supported(optimizer) else None
 
-    def step(self, optimizer: Optimizer, grad_of: Callable[[FlatBucket], Tensor], scale: float | Tensor = 1.0) -> None:
-        """Give every piece its reduced gradient (moved, converted, then multiplied by ``scale``) and step."""
-        copied_to_host = False
+    def step(self, optimizer: Optimizer, grad_of: Callable[[FlatBucket], Tensor], scale: float | Tensor = 1.0,
+             low_of: Callable[[FlatBucket], Tensor] | None = None) -> None:
+        """Give every piece its reduced gradient times ``scale`` and step.
+
+        Host pieces of an Adam/AdamW optimizer step chunk by chunk from their low-precision gradient
+        (``host_adam.py``), writing the updated piece in the compute dtype where ``low_of(bucket)`` says (its
+        working copy on a CPU device) or into a pinned buffer for ``write_low`` to copy to the GPU. Every other
+        piece gets its gradient converted to the master dtype and goes through ``optimizer.step()``.
+        """
+        chunked = self._chunked if self.offload else None
+        grads: dict[int, Tensor] = {}
+        crossed = False
         for b in self.buckets:
-            piece, grad = self.pieces[b.index], grad_of(b)
-            host = self.host_grad.get(b.index)
-            if host is not None:  # a persistent host buffer: a fresh host allocation costs more than the step
-                piece.grad = host.copy_(grad, non_blocking=True)
-                copied_to_host = copied_to_host or grad.device.type == "cuda"
-            else:
-                piece.grad = grad.to(device=piece.device, dtype=piece.dtype, non_blocking=True)
+            grad = grad_of(b)
+            if b.index in self.on_host and grad.device.type != "cpu":
+                grad, crossed = transfer(self.host_grad[b.index], grad), True  # one bulk copy per bucket
+            grads[b.index] = grad
+        if crossed:
+            torch.cuda.current_stream().synchronize()  # the host reads what the copies wrote
+        stepped_by_torch = []
+        for b in self.buckets:
+            if chunked is not None and b.index in self.on_host:
+                continue
+            piece = self.pieces[b.index]
+            piece.grad = grads[b.index].to(device=piece.device, dtype=piece.dtype)
             if not (isinstance(scale, float | int) and scale == 1.0):
                 piece.grad.mul_(scale.to(piece.device) if isinstance(scale, Tensor) else scale)
-        if copied_to_host:
-            torch.cuda.current_stream().synchronize()  # the host optimizer reads what the copies wrote
-        optimizer.step()
-        for piece in self.pieces.values():
-            piece.grad = None
+            stepped_by_torch.append(piece)
+        if stepped_by_torch:
+            optimizer.step()  # pieces without a gradient (the chunked ones) are left alone
+            for piece in stepped_by_torch:
+                piece.grad = None
+        if chunked is None:
+            return
+        for b in self.buckets:
+            if b.index in self.on_host:
+                out = self.host_low.get(b.index, low_of(b) if low_of is not None else None)
+                chunked.step(optimizer.param_groups[b.group], self.pieces[b.index], grads[b.index], out, scale)
+                if b.index in self.host_low:
+                    self._staged.add(b.index)
+                elif out is not None:
+                    self._written.add(b.index)
+
+    def write_low(self, bucket: FlatBucket, target: Tensor) -> None:
+        """Put the piece of ``bucket`` into ``target`` (its working copy, compute dtype, where ``low_of`` of the
+        step pointed): nothing when the step wrote it there; under offload on a GPU one bulk copy of the pinned
+        low-precision piece (converted on the host first if the step did not write it, after loading a
+        checkpoint say); otherwise a conversion of the master where it lives. The next step's host writes
+        into the pinned piece wait for that step's gradients, which the GPU produces after this copy."""
+        index = bucket.index
+        if index in self._written or target.data_ptr() == self.pieces[index].data_ptr():
+            self._written.discard(index)
+            return
+        low = self.host_low.get(index)
+        if low is None:
+            target.copy_(self.pieces[index])
+            return
+        if index not in self._staged:
+            low.copy_(self.pieces[index])
+        self._staged.discard(index)
+        transfer(target, low)
 
     def holders(self, rank: int, optimizer: Optimizer | None) -> tuple[list[st.Holder], list[st.Holder]]:
         """Holders of every piece (model state), and of the optimizer's params in its param-group order."""
@@ -139,12 +212,14 @@ class MasterShards:
     def split(self, optimizer: Optimizer | None) -> dict[str, dict[str, list[Tensor]]]:
         """Master pieces and their optimizer state, as {"device": {...}, "host": {...}} for memory reports."""
         state = optimizer.state if optimizer is not None else {}
-        out: dict[str, dict[str, list[Tensor]]] = {"device": {"master": [], "optimizer": [], "grads": []},
-                                                   "host": {"master": [], "optimizer": [], "grads": []}}
+        out: dict[str, dict[str, list[Tensor]]] = {
+            side: {"params": [], "master": [], "optimizer": [], "grads": []} for side in ("device", "host")}
         for index, piece in self.pieces.items():
             side = out["host" if index in self.on_host else "device"]
             side["master"].append(piece)
             side["optimizer"] += [t for t in state.get(piece, {}).values() if isinstance(t, Tensor)]
             if index in self.host_grad:
                 side["grads"].append(self.host_grad[index])
+            if index in self.host_low:
+                side["params"].append(self.host_low[index])
         return out

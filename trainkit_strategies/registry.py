@@ -13,7 +13,7 @@ _BUILTIN = {
     "ddp": "trainkit_strategies.ddp:DDPStrategy",
     "zero1": "trainkit_strategies.zero:Zero1Strategy",
     "zero2": "trainkit_strategies.zero:Zero2Strategy",
-    "zero_offload": "trainkit_strategies.zero:ZeroOffloadStrategy",
+    "zero_offload": "trainkit_strategies.offload:ZeroOffloadStrategy",
     "zero3": "trainkit_strategies.zero3:Zero3Strategy",
     "fsdp": "trainkit_strategies.fsdp:FSDPStrategy",
     "pipeline": "trainkit_strategies.pipeline:PipelineStrategy",

@@ -142,9 +142,8 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         ordered += [b for u in self.units if u.root or u.persistent for b in layouts[u.index]]
         for index, layout in enumerate(ordered):
             layout.index = index
-        converts = self.precision.master_dtype != self.grad_dtype or (self.offload and self.device.type != "cpu")
         self._master = MasterShards(ordered, groups, self.precision.master_dtype, self.device, self.offload, self.ratio,
-                                    host_grads=converts)
+                                    grad_dtype=self.grad_dtype, low_dtype=self.precision.working_dtype)
         for unit in self.units:
             self._materialise(unit, layouts[unit.index])
         self.buckets = sorted((b for u in self.units for b in u.buckets), key=lambda b: b.index)
@@ -359,16 +358,15 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
     # -- step ----------------------------------------------------------------------------------------
     def optimizer_step(self) -> None:
         assert self.optimizer is not None
-        self._master.step(self.optimizer, self._grad_of, self._take_grad_mult())
+        self._master.step(self.optimizer, self._grad_of, self._take_grad_mult(),
+                          low_of=lambda layout: self.buckets[layout.index].shard)
         self._refresh_shards()
         self.sync_buffers()
 
     def _refresh_shards(self) -> None:
-        """Copy updated masters into the compute-dtype shards; re-gather what stays gathered."""
+        """Bring updated masters into the compute-dtype shards; re-gather what stays gathered."""
         for b in self.buckets:
-            master = self._master[b.layout]
-            if b.shard is not master:
-                b.shard.copy_(master)
+            self._master.write_low(b.layout, b.shard)
         for unit in self.units:
             if unit.gathered:
                 unit.gathered = False

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 from trainkit_strategies import state as st
 from trainkit_strategies.base import Strategy
 from trainkit_strategies.flat import BucketReducer, FlatBucket, OrderedLauncher, pack
-from trainkit_strategies.master import DeferredGradScale, MasterShards
+from trainkit_strategies.master import DeferredGradScale, MasterShards, transfer
 from trainkit_strategies.memory import MemoryReport
 from trainkit_strategies.precision import Precision
 
@@ -75,6 +75,10 @@ class GradientLayout(ABC):
 
     def end_window(self) -> None:
         """The accumulation window's gradients are fully reduced."""
+
+    def memory(self) -> dict[str, list[Tensor]]:
+        """What this layout holds, by place ("device", "host"), for memory reports."""
+        return {"device": list(self.buffers), "host": []}
 
     def tensors(self) -> list[Tensor]:
         """The gradient tensors this rank holds for norms and scaling (its pieces, group by group)."""
@@ -158,6 +162,76 @@ class PartitionedGradients(GradientLayout):
         return list(self.buffers)
 
 
+class OffloadedGradients(PartitionedGradients):
+    """ZeRO-Offload's stage 2 (Ren et al., 2021, §4.1): the gradient partition lives in host memory, in the
+    compute dtype, so the device holds only gradient buckets in flight.
+
+    Each bucket is reduce-scattered as backward fills it. On a CPU device the result lands in the host
+    partition directly. On a GPU it lands in one of two device scratch pieces, and as soon as it is there
+    one bulk non-blocking copy moves it, still in the compute dtype, to the pinned host partition on a side
+    stream while backward goes on with the next buckets (accumulation micro-steps after the first copy to a
+    pinned staging piece and add on the host). The host converts to fp32 chunk by chunk in the step
+    (``host_adam.py``); nothing crosses the bus converting dtype, and transfers are one per bucket.
+    """
+
+    def __init__(self, strategy: ZeroStrategy) -> None:
+        super().__init__(strategy)
+        self._cuda = strategy.device.type == "cuda"
+        self._scratch: list[Tensor] = []  # device pieces the reduce-scatter writes into (GPU only)
+        self._staging: Tensor | None = None  # host piece for accumulation micro-steps (GPU only)
+        self._copied: list[Any] = [None, None]  # per scratch piece: the event of its last copy to the host
+        self._slot = 0
+        self._stream: Any = None
+
+    def attach(self, group: _Group) -> None:
+        size = sum(b.piece for b in group.buckets)
+        self.buffers.append(torch.zeros(size, dtype=group.working.dtype, device="cpu", pin_memory=self._cuda))
+        if self._cuda and not self._scratch:
+            largest = max(b.piece for b in self.strategy.buckets)
+            self._scratch = [torch.empty(largest, dtype=group.working.dtype, device=group.working.device)
+                             for _ in range(2)]
+            self._staging = torch.empty(largest, dtype=group.working.dtype, device="cpu", pin_memory=True)
+            self._stream = torch.cuda.Stream(device=group.working.device)
+
+    def launch(self, bucket: FlatBucket) -> None:
+        strategy = self.strategy
+        source = strategy.reducer.fill(bucket)
+        accumulate = not self._first_micro_step
+        if not self._cuda:
+            strategy.reducer.reduce(source, self.piece(bucket), accumulate=accumulate)
+            return
+        slot, self._slot = self._slot, 1 - self._slot
+        if self._copied[slot] is not None:  # the scratch piece's previous copy to the host has been read
+            torch.cuda.current_stream().wait_event(self._copied[slot])
+        scratch = self._scratch[slot][: bucket.piece]
+        strategy.reducer.reduce(source, scratch, accumulate=False,
+                                on_done=lambda: self._to_host(bucket, scratch, slot, accumulate))
+
+    def _to_host(self, bucket: FlatBucket, scratch: Tensor, slot: int, accumulate: bool) -> None:
+        ready = torch.cuda.Event()
+        ready.record()
+        self._stream.wait_event(ready)
+        with torch.cuda.stream(self._stream):
+            target = self._staging[: bucket.piece] if accumulate else self.piece(bucket)  # type: ignore[index]
+            transfer(target, scratch)
+            done = torch.cuda.Event()
+            done.record()
+        self._copied[slot] = done
+        if accumulate:
+            done.synchronize()
+            self.piece(bucket).add_(target)
+
+    def end_window(self) -> None:
+        super().end_window()
+        for event in self._copied:  # the host reads the partition next: every copy has landed
+            if event is not None:
+                event.synchronize()
+
+    def memory(self) -> dict[str, list[Tensor]]:
+        staging = [self._staging] if self._staging is not None else []
+        return {"device": list(self._scratch), "host": list(self.buffers) + staging}
+
+
 class ZeroStrategy(DeferredGradScale, Strategy):
     """Shard optimizer state (and, by its ``gradient_layout``, gradients) across data-parallel ranks.
 
@@ -170,6 +244,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
     """
 
     gradient_layout: ClassVar[type[GradientLayout]] = WholeGradients
+    offloaded_layout: ClassVar[type[GradientLayout] | None] = None  # the layout under ``offload``, if it differs
 
     def __init__(self, bucket_mb: float = 25.0, offload: bool = False, ratio: float = 1.0,
                  broadcast_buffers: bool = True) -> None:
@@ -181,12 +256,15 @@ class ZeroStrategy(DeferredGradScale, Strategy):
             raise ValueError(f"{self.name} ratio must be in [0, 1]; got {ratio}.")
         self.bucket_mb, self.offload, self.ratio = bucket_mb, offload, ratio
         self.buckets: list[FlatBucket] = []  # every bucket, in launch order
-        self.grads: GradientLayout = self.gradient_layout(self)
+        self.grads: GradientLayout = self._layout()
         self.launcher = OrderedLauncher([], self._launch)
         self.reducer = BucketReducer(self.comm, torch.float32, torch.device("cpu"), 0)
         self.groups: list[_Group] = []  # per optimizer param group
         self._bucket_of: dict[Tensor, tuple[FlatBucket, int]] = {}
         self._hooks: list = []
+
+    def _layout(self) -> GradientLayout:
+        return (self.offloaded_layout if self.offload and self.offloaded_layout else self.gradient_layout)(self)
 
     @property
     def syncing(self) -> bool:
@@ -209,10 +287,9 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         for index, bucket in enumerate(self.buckets):
             bucket.index = index
         working, master = self.precision.working_dtype, self.precision.master_dtype
-        converts = master != working or (self.offload and self.device.type != "cpu")
         self._master = MasterShards(self.buckets, len(optimizer.param_groups), master, self.device,
-                                    self.offload, self.ratio, host_grads=converts)
-        self.grads = self.gradient_layout(self)
+                                    self.offload, self.ratio, grad_dtype=working, low_dtype=working)
+        self.grads = self._layout()
         self.groups = [self._build_group([b for b in self.buckets if b.group == g])
                         for g in range(len(optimizer.param_groups))]
         self._bucket_of = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
@@ -273,15 +350,21 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         """Hand each piece its reduced gradient (to the host, in the master dtype) and run the optimizer
         on the master pieces: the part of a step that runs on the host under offload."""
         assert self.optimizer is not None
-        self._master.step(self.optimizer, self.grads.piece, self._take_grad_mult())
+        self._master.step(self.optimizer, self.grads.piece, self._take_grad_mult(), low_of=self._working_piece)
+
+    def _working_piece(self, bucket: FlatBucket) -> Tensor:
+        """This rank's piece of ``bucket`` in the working parameters (what it contributes to the all-gather)."""
+        lo, hi = bucket.piece_range(self.rank)
+        return self.groups[bucket.group].working[bucket.start + lo : bucket.start + hi]
 
     def _gather_working(self) -> None:
-        """All-gather every bucket's updated pieces into the working parameters."""
+        """Write every bucket's updated piece into the working parameters and all-gather them in place."""
         handles = []
         for g in self.groups:
             for b in g.buckets:
-                piece = self._master[b].to(device=self.device, dtype=self.precision.working_dtype)
-                handles.append(self.comm.all_gather(g.working[b.start : b.start + b.padded], piece, async_op=True))
+                mine = self._working_piece(b)
+                self._master.write_low(b, mine)
+                handles.append(self.comm.all_gather(g.working[b.start : b.start + b.padded], mine, async_op=True))
         for h in handles:
             h.wait()
 
@@ -320,9 +403,8 @@ class ZeroStrategy(DeferredGradScale, Strategy):
     def memory_report(self) -> MemoryReport:
         assert self.module is not None
         split = self._master.split(self.optimizer)
-        grads = list(self.grads.buffers)
-        if self.reducer.buffer is not None:
-            grads.append(self.reducer.buffer)
+        held = self.grads.memory()
+        grads = held["device"] + ([self.reducer.buffer] if self.reducer.buffer is not None else [])
         sharded = set(self._bucket_of)
         return MemoryReport.of(
             {
@@ -332,7 +414,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
                 "optimizer": split["device"]["optimizer"],
                 "buffers": list(self.module.buffers()),
             },
-            {k: v for k, v in split["host"].items()},
+            {**split["host"], "grads": held["host"] + split["host"]["grads"]},
         )
 
     def teardown(self) -> None:
@@ -353,13 +435,4 @@ class Zero2Strategy(ZeroStrategy):
 
     name = "zero2"
     gradient_layout = PartitionedGradients
-
-
-class ZeroOffloadStrategy(Zero2Strategy):
-    """ZeRO-Offload: stage 2 with master weights and optimizer state on the host (``offload=True``)."""
-
-    name = "zero_offload"
-
-    def __init__(self, bucket_mb: float = 25.0, offload: bool = True, ratio: float = 1.0,
-                 broadcast_buffers: bool = True) -> None:
-        super().__init__(bucket_mb, offload, ratio, broadcast_buffers)
+    offloaded_layout = OffloadedGradients

@@ -22,6 +22,11 @@ CASES = [
     Case("zero2-fp16-acc2-clip", "zero2", SMALL, precision="16-mixed", accumulate=2, clip=0.05,
          init_scale=1024.0),
     Case("zero2-bf16-true-acc2", "zero2", SMALL, precision="bf16-true", accumulate=2),
+    # ZeRO-Offload with every bucket on the host: the host gradient partition and the chunked fused step
+    Case("zero_offload-host-fp32-acc2", "zero_offload", SMALL, accumulate=2),
+    Case("zero_offload-host-bf16-clip", "zero_offload", SMALL, precision="bf16-mixed", clip=0.05),
+    Case("zero_offload-host-fp16-acc2-clip", "zero_offload", SMALL, precision="16-mixed", accumulate=2, clip=0.05,
+         init_scale=1024.0),
     Case("zero1-comm-acc4", "zero1", SMALL, accumulate=4, steps=3, record_comm=True),
     Case("zero2-comm-acc1", "zero2", SMALL, steps=3, record_comm=True),
 ]
