@@ -89,6 +89,7 @@ class MasterShards:
         self._written: set[int] = set()  # buckets whose compute-dtype copy the last step wrote in place
         self._staged: set[int] = set()  # buckets whose pinned compute-dtype copy the last step wrote
         self._chunked: ChunkedAdam | None = None
+        self.host_workers = torch.get_num_threads()  # threads for the host step (1 when it overlaps compute)
         staged = offload and device.type == "cuda"
         for g in range(groups):
             members = [b for b in self.buckets if b.group == g]
@@ -138,7 +139,8 @@ class MasterShards:
             group["params"] = [self.pieces[b.index] for b in self.buckets if b.group == g]
             if self.offload and isinstance(optimizer, _FUSED) and "fused" in group:
                 group["fused"], group["foreach"] = True, False
-        self._chunked = ChunkedAdam(optimizer) if self.offload and chunked_adam_supported(optimizer) else None
+        self._chunked = ChunkedAdam(optimizer, workers=self.host_workers) \
+            if self.offload and chunked_adam_supported(optimizer) else None
 
     def step(self, optimizer: Optimizer, grad_of: Callable[[FlatBucket], Tensor], scale: float | Tensor = 1.0,
              low_of: Callable[[FlatBucket], Tensor] | None = None) -> None:

@@ -62,6 +62,9 @@ class ZeroOffloadStrategy(Zero2Strategy):
     def setup(self, module: nn.Module, optimizer: Optimizer | None, precision: Precision) -> None:
         self._settle_step()
         super().setup(module, optimizer, precision)
+        if optimizer is not None and self.delayed_update:  # the host step runs beside the next step's compute
+            self._master.host_workers = 1
+            self._master.retarget(optimizer)
         if optimizer is not None and self.delayed_update:
             self._master.add_low_buffers(precision.working_dtype)  # the step must not write the params in use
             self._spare = [torch.zeros_like(b) for b in self.grads.buffers]

@@ -27,7 +27,7 @@ def test_cpu_optimizer_smoke():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_optimizer.py"), "--smoke"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "zero_offload step_shards (32)" in proc.stdout
+    assert "trainkit zero_offload step (bf16 in, bf16 out)" in proc.stdout
 
 
 def test_checkpoint_smoke():
@@ -35,3 +35,10 @@ def test_checkpoint_smoke():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "async stall / sync stall" in proc.stdout
+
+
+def test_offload_smoke():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offload.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "W=2  trainkit zero_offload" in proc.stdout
