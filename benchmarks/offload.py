@@ -201,7 +201,7 @@ def gpu(args: argparse.Namespace) -> None:
             torch.cuda.empty_cache()
             torch.manual_seed(0)
             model = TinyGPT(GPTConfig(**config))
-            batch = lambda: (idx[:, :-1], idx[:, 1:])  # noqa: E731
+            batch = lambda idx=idx: (idx[:, :-1], idx[:, 1:])
             step = (trainkit_variant(model, env, batch, lm_loss) if name.startswith("trainkit")
                     else deepspeed_variant(model, micro, batch, lm_loss))
             for _ in range(3):

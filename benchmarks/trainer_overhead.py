@@ -3,7 +3,8 @@
 Both run the same model, pre-made batches and AdamW in one process, alternating, several rounds.
 Fixed costs (setup, first-iteration warm-up) are removed by timing two run lengths and taking the
 slope: per-step time = (T(long) - T(short)) / (long - short). Printed: raw loop, Trainer with
-everything off (no logger, progress bar or checkpointing), Trainer with all of them on, the
+everything off (no logger, progress bar or checkpointing), Trainer with them on but telemetry off, Trainer
+with its defaults (all of them and telemetry: the cost of Telemetry is the difference), the
 overhead in microseconds per step and the ratio to the raw loop.
 
     python benchmarks/trainer_overhead.py            # full run (~1 min)
@@ -59,13 +60,13 @@ def raw_loop(template: TinyMLP, steps: int) -> float:
     return time.perf_counter() - start
 
 
-def trainer_loop(template: TinyMLP, steps: int, extras: bool) -> float:
+def trainer_loop(template: TinyMLP, steps: int, extras: bool, telemetry: bool = True) -> float:
     module = copy.deepcopy(template)
     loader = make_loader(steps)
     with tempfile.TemporaryDirectory() as root:
         trainer = tk.Trainer(
             accelerator="cpu", max_epochs=1, logger=extras, enable_progress_bar=extras, enable_checkpointing=extras,
-            num_sanity_val_steps=0, default_root_dir=root, log_every_n_steps=50,
+            enable_telemetry=telemetry, num_sanity_val_steps=0, default_root_dir=root, log_every_n_steps=50,
         )
         start = time.perf_counter()
         trainer.fit(module, loader)
@@ -90,16 +91,18 @@ def main() -> None:
     torch.manual_seed(0)
     template = TinyMLP()
     raw_loop(template, short)  # warm up allocator and kernels
-    samples: dict[str, list[float]] = {"raw": [], "off": [], "on": []}
+    samples: dict[str, list[float]] = {"raw": [], "off": [], "quiet": [], "on": []}
     for _ in range(rounds):  # alternate so drift hits every variant alike
         samples["raw"] += per_step(lambda n: raw_loop(template, n), short, long, 1)
         samples["off"] += per_step(lambda n: trainer_loop(template, n, extras=False), short, long, 1)
+        samples["quiet"] += per_step(lambda n: trainer_loop(template, n, extras=True, telemetry=False), short, long, 1)
         samples["on"] += per_step(lambda n: trainer_loop(template, n, extras=True), short, long, 1)
     raw = statistics.median(samples["raw"])
     print(f"tiny MLP, batch 16, 1 thread, {long - short} steps per sample, median of {rounds} rounds")
     print(f"{'variant':<34}{'step (us)':>11}{'overhead (us)':>15}{'ratio':>8}")
     print(f"{'raw PyTorch loop':<34}{raw * 1e6:>11.1f}{'':>15}{1.0:>8.3f}")
-    for key, label in (("off", "Trainer (logger/bar/ckpt off)"), ("on", "Trainer (logger/bar/ckpt on)")):
+    for key, label in (("off", "Trainer (logger/bar/ckpt off)"), ("quiet", "Trainer (on, telemetry off)"),
+                       ("on", "Trainer (defaults: all on)")):
         t = statistics.median(samples[key])
         print(f"{label:<34}{t * 1e6:>11.1f}{(t - raw) * 1e6:>15.1f}{t / raw:>8.3f}")
 

@@ -17,17 +17,20 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, lazy_instance
 
 from trainkit import launcher
 from trainkit.checkpoint import CheckpointError
 from trainkit.data import DataModule
 from trainkit.demo.gpt import DemoGPT
+from trainkit.estimate import estimate, one_batch
 from trainkit.export import export
 from trainkit.module import TrainModule
 from trainkit.seed import seed_everything
 from trainkit.signals import PREEMPTED_EXIT_CODE, Preempted
 from trainkit.trainer import Trainer
+from trainkit_strategies import Environment
 from trainkit_strategies.comm import PeerError
 from trainkit_strategies.registry import available
 
@@ -38,6 +41,7 @@ SUBCOMMANDS = {
     "predict": "Run prediction over the predict dataloader.",
 }
 TOOLS = {
+    "estimate": "Per-rank memory and communication of every strategy for this model, without allocating it.",
     "export": "Write a checkpoint's model to model.safetensors (or shards with an index), streaming piece by piece.",
 }
 DEMO_MODEL = "trainkit.demo.gpt.DemoGPT"
@@ -48,7 +52,7 @@ DEMO_TRAINER = {"max_steps": 2000, "val_check_interval": 500, "check_val_every_n
 
 def _subcommand_parser(name: str, model_class: type[TrainModule] | None,
                        datamodule_class: type[DataModule] | None) -> ArgumentParser:
-    parser = ArgumentParser(description=SUBCOMMANDS[name], exit_on_error=True)
+    parser = ArgumentParser(description=SUBCOMMANDS.get(name) or TOOLS[name], exit_on_error=True)
     parser.add_argument("-c", "--config", action=ActionConfigFile, help="YAML config file (see --print_config).")
     parser.add_class_arguments(Trainer, "trainer", fail_untyped=False, instantiate=False)
     if model_class is None:
@@ -73,6 +77,14 @@ def build_parser(model_class: type[TrainModule] | None = None,
     for name in SUBCOMMANDS:
         subcommands.add_subcommand(name, _subcommand_parser(name, model_class, datamodule_class),
                                    help=SUBCOMMANDS[name])
+    estimate_parser = _subcommand_parser("estimate", model_class, datamodule_class)
+    estimate_parser.add_argument("--devices_per_node", type=int | None, default=None,
+                                 help="Ranks per machine (default: --trainer.devices).")
+    estimate_parser.add_argument("--nodes", type=int | None, default=None,
+                                 help="Machines (default: --trainer.num_nodes).")
+    estimate_parser.add_argument("--device_memory", type=str | None, default=None,
+                                 help='Memory of one device, e.g. "80GB" (default: the GPU\'s, if there is one).')
+    subcommands.add_subcommand("estimate", estimate_parser, help=TOOLS["estimate"])
     subcommands.add_subcommand("export", _export_parser(), help=TOOLS["export"])
     return parser
 
@@ -86,6 +98,29 @@ def _export_parser() -> ArgumentParser:
     parser.add_argument("--dtype", type=str | None, default=None,
                         help='Convert floating-point tensors: "fp32", "bf16" or "fp16" (default: as stored).')
     return parser
+
+
+def _estimate(parser: ArgumentParser, cfg: Namespace, sub_parser: ArgumentParser) -> None:
+    """Build the model on the meta device, take one training batch, and print the plan of every strategy."""
+    sub_cfg = cfg.estimate
+    model_cfg = sub_cfg.get("model")
+    if isinstance(model_cfg, Namespace) and model_cfg.get("class_path") == DEMO_MODEL and sub_cfg.get("data") is None:
+        sub_cfg.data = Namespace(class_path=DEMO_DATA, init_args=Namespace())
+    with torch.device("meta"):
+        init = parser.instantiate(cfg).estimate
+    model, data, args = init.model, init.data, sub_cfg.trainer
+    try:
+        batch = one_batch(model, data)
+        world = (sub_cfg.devices_per_node or args.devices) * (sub_cfg.nodes or args.num_nodes)
+        device_type = Environment.accelerator_type(args.accelerator)
+        memory = sub_cfg.device_memory
+        if memory is None and device_type == "cuda":
+            memory = torch.cuda.get_device_properties(0).total_memory
+        plan = estimate(model, batch, world_size=world, precision=args.precision, device_memory=memory,
+                        activation_checkpointing=args.activation_checkpointing, device_type=device_type)
+    except (ValueError, TypeError, RuntimeError) as err:
+        sub_parser.error(str(err))
+    print(plan.table())
 
 
 def _export(cfg: Namespace, parser: ArgumentParser) -> None:
@@ -155,6 +190,9 @@ def main(model_class: type[TrainModule] | None = None, datamodule_class: type[Da
     sub_parser = parser._subcommands_action._name_parser_map[subcommand]
     if subcommand == "export":
         _export(cfg[subcommand], sub_parser)
+        return
+    if subcommand == "estimate":
+        _estimate(parser, cfg, sub_parser)
         return
     try:
         trainer, model, data = _instantiate(parser, cfg, subcommand)

@@ -18,7 +18,8 @@ class HookDispatch:
     """Bound hooks per name for one run of ``module`` with ``callbacks`` under ``trainer`` (the module's own
     hooks count when it is a ``TrainModule``; callbacks receive it either way)."""
 
-    def __init__(self, trainer: Any, module: Any = None, callbacks: Sequence[Callback] = ()) -> None:
+    def __init__(self, trainer: Any, module: Any = None, callbacks: Sequence[Callback] = (),
+                 timer: Any = None) -> None:
         self._table: dict[str, list[Callable]] = {}
         self._module_count: dict[str, int] = {}  # how many of a name's hooks are the module's (0 or 1)
         for name in HOOK_NAMES:
@@ -27,8 +28,16 @@ class HookDispatch:
                 fns.append(getattr(module, name))
             self._module_count[name] = len(fns)
             for cb in callbacks:
-                if getattr(type(cb), name) is not getattr(Callback, name):
+                if getattr(type(cb), name) is not getattr(Callback, name) and cb is not timer:
                     method = getattr(cb, name)
+                    fns.append(lambda *a, _m=method: _m(trainer, module, *a))
+            if timer is not None:  # a profiler times every call (``timer.timed(label, fn)``)
+                owners = ["module"] * self._module_count[name] + [
+                    type(cb).__name__ for cb in callbacks
+                    if getattr(type(cb), name) is not getattr(Callback, name) and cb is not timer]
+                fns = [timer.timed(f"{owner}.{name}", fn) for owner, fn in zip(owners, fns, strict=True)]
+                if getattr(type(timer), name) is not getattr(Callback, name):  # the profiler's own hooks, untimed
+                    method = getattr(timer, name)
                     fns.append(lambda *a, _m=method: _m(trainer, module, *a))
             self._table[name] = fns
 

@@ -18,6 +18,7 @@ paths a step uses is decided once, when it is built.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -78,6 +79,7 @@ class OptimizerStep:
         self.window = 0  # micro-batches run in the open window
         self.items_norm: float | None = None  # c (see the module docstring); kept in checkpoints
         self.last_loss: Tensor | None = None
+        self.timing = {"forward_backward": 0.0, "optimizer": 0.0}  # seconds in the last closed window
         self._count: Any = 0  # micro-batches (plain losses) or items (num_items) in the window
         self._item_weighted = False
         self._forward_backward = self._scheduled if isinstance(strategy, RunsSchedule) else self._training_step
@@ -85,8 +87,14 @@ class OptimizerStep:
     # -- micro-batches -------------------------------------------------------------------------------
     def micro_step(self, module: nn.Module, batch: Any, batch_idx: int, boundary: bool) -> Any:
         """Forward and backward of one micro-batch; ``boundary``: it is the window's last (gradients sync)."""
-        with nullcontext() if boundary else self.strategy.no_sync():
-            return self._forward_backward(module, batch, batch_idx)
+        start = time.perf_counter()
+        if self.window == 0:
+            self.timing["forward_backward"] = 0.0
+        try:
+            with nullcontext() if boundary else self.strategy.no_sync():
+                return self._forward_backward(module, batch, batch_idx)
+        finally:
+            self.timing["forward_backward"] += time.perf_counter() - start
 
     def _training_step(self, module: nn.Module, batch: Any, batch_idx: int) -> Any:
         strategy = self.strategy
@@ -147,6 +155,13 @@ class OptimizerStep:
         skipped for an fp16 overflow (every rank skips together), True otherwise."""
         if self.window == 0:
             return None
+        start = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.timing["optimizer"] = time.perf_counter() - start
+
+    def _step(self) -> bool:
         strategy = self.strategy
         if not self._item_weighted:
             scale: Any = self.k / (self._count * strategy.world_size)

@@ -19,9 +19,12 @@ from trainkit.activation import apply_activation_checkpointing
 from trainkit.async_checkpoint import AsyncSaver
 from trainkit.callbacks.base import Callback
 from trainkit.callbacks.checkpointing import ModelCheckpoint
+from trainkit.callbacks.profiler import SimpleProfiler, make_profiler
 from trainkit.callbacks.progress import ProgressBar
+from trainkit.callbacks.telemetry import Telemetry
 from trainkit.data import DataConnector, DataModule
 from trainkit.dispatch import HookDispatch
+from trainkit.estimate import AUTO_ORDER, choose, device_memory_of, estimate, first_batch, human, meta_copy, parse_bytes
 from trainkit.loggers import Logger, TensorBoardLogger
 from trainkit.loops import EvalLoop, FitLoop, LoopConfig, Progress, loss_logger
 from trainkit.module import TrainModule
@@ -42,8 +45,9 @@ class Trainer(TrainerProperties):
 
     Args:
         accelerator: "cpu", "cuda" or "auto".
-        strategy: a registered name ("single", "ddp", "zero1", ...), "auto" (single on one process, ddp
-            on several), or a Strategy instance with its options.
+        strategy: a registered name ("single", "ddp", "zero1", ...), a Strategy instance with its options, or
+            "auto": single on one process; on several, the fastest of ddp, zero1, zero2, fsdp, zero_offload whose
+            planned memory (``trainkit estimate``) fits ``device_memory``, chosen when fit starts.
         devices: processes on this machine; above 1 trainkit launches them (or detects torchrun/SLURM).
         num_nodes: machines in the run (set by torchrun/SLURM).
         precision: "32", "bf16-mixed", "16-mixed" or "bf16-true".
@@ -70,10 +74,16 @@ class Trainer(TrainerProperties):
         enable_checkpointing: add a default ModelCheckpoint when none is given.
         enable_progress_bar: show a progress bar on rank 0.
         enable_model_summary: print the module's top-level layers and parameter counts when fit starts.
+        enable_telemetry: log ``comm/``, ``time/`` and ``memory/`` scalars with the metrics (``Telemetry``); only
+            with a logger.
+        profiler: "pytorch" (torch.profiler trace of a few steps under the log directory), "simple" (a table of
+            hook and step times when fit ends) or None.
         use_distributed_sampler: replace a DataLoader's default sampler by trainkit's (sharded by rank,
             resumable mid-epoch, one global order at any world size); off uses loaders exactly as given.
         default_root_dir: where runs/ and checkpoints/ go.
         timeout_s: seconds a collective waits for a peer before the run fails.
+        device_memory: memory of one device that ``strategy="auto"`` plans against, in bytes or as "80GB"
+            (default: the GPU's total memory; on the CPU, the machine's memory divided among its ranks).
     """
 
     def __init__(
@@ -106,9 +116,12 @@ class Trainer(TrainerProperties):
         enable_checkpointing: bool = True,
         enable_progress_bar: bool = True,
         enable_model_summary: bool = True,
+        enable_telemetry: bool = True,
+        profiler: str | None = None,
         use_distributed_sampler: bool = True,
         default_root_dir: str | Path = ".",
         timeout_s: float = 1800.0,
+        device_memory: str | int | None = None,
     ) -> None:
         if accumulate_grad_batches < 1:
             raise ValueError(f"accumulate_grad_batches must be >= 1; got {accumulate_grad_batches}.")
@@ -123,6 +136,8 @@ class Trainer(TrainerProperties):
         if max_steps < -1 or (max_epochs is not None and max_epochs < 0):
             raise ValueError(f"max_steps must be >= -1 and max_epochs >= 0; got {max_steps}, {max_epochs}.")
         self.precision = Precision.from_name(precision)
+        self.device_memory = parse_bytes(device_memory) if device_memory is not None else None
+        self._auto = False  # strategy="auto" on several ranks: the plan is chosen when fit starts
         self.default_root_dir = Path(default_root_dir)
         self.devices, self.num_nodes, self.accelerator, self.timeout_s = devices, num_nodes, accelerator, timeout_s
         self.env = launcher.connect(accelerator, devices, num_nodes, timeout_s)
@@ -159,6 +174,11 @@ class Trainer(TrainerProperties):
             self.callbacks.append(ModelCheckpoint())
         if enable_progress_bar and not any(isinstance(c, ProgressBar) for c in self.callbacks):
             self.callbacks.append(ProgressBar())
+        if enable_telemetry and self.loggers and not any(isinstance(c, Telemetry) for c in self.callbacks):
+            self.callbacks.append(Telemetry())
+        self.profiler = make_profiler(profiler)
+        if self.profiler is not None:
+            self.callbacks.append(self.profiler)
         keys = [c.state_key for c in self.callbacks]
         if len(keys) != len(set(keys)):
             raise ValueError(f"Callbacks need distinct state_key values to be checkpointed; got {keys}.")
@@ -179,7 +199,8 @@ class Trainer(TrainerProperties):
     def _resolve_strategy(self, strategy: str | Strategy) -> Strategy:
         if isinstance(strategy, str):
             if strategy == "auto":
-                strategy = "ddp" if self.env.world_size > 1 else "single"
+                self._auto = self.env.world_size > 1
+                strategy = "ddp" if self._auto else "single"  # ddp joins the ranks until fit picks the plan
             strategy = get_strategy(strategy)
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a name or a Strategy; got {type(strategy).__name__}.")
@@ -297,7 +318,8 @@ class Trainer(TrainerProperties):
             seed_everything(self.seed)
         if self.deterministic:
             torch.use_deterministic_algorithms(True)
-        hooks = HookDispatch(self, module, self.callbacks)
+        timer = self.profiler if isinstance(self.profiler, SimpleProfiler) else None
+        hooks = HookDispatch(self, module, self.callbacks, timer)
         self.data.prepare(datamodule if datamodule is not None else module, train)
         try:
             self._setup(fn, module, hooks)
@@ -359,6 +381,8 @@ class Trainer(TrainerProperties):
         if self.datamodule is not None:
             self.datamodule.setup(fn)
         hooks("setup", fn)
+        if self._auto and fn == "fit":
+            self._choose_strategy(module)
         needs_optimizer = fn == "fit" and self.strategy.optimizer is None
         if self.strategy.module is module and not needs_optimizer:
             return
@@ -376,6 +400,35 @@ class Trainer(TrainerProperties):
             optimizer = self.optimizer_config.optimizer
             self.scaler = DynamicLossScaler() if self.precision.loss_scaling else None
         self.strategy.setup(module, optimizer, self.precision)
+
+    def _choose_strategy(self, module: TrainModule) -> None:
+        """``strategy="auto"``: plan every candidate on a meta copy of the module and one training batch, take the
+        fastest that fits (rank 0's decision, broadcast), and log why."""
+        self._auto = False
+        if self.data.train_dataloader is None:
+            self.data.connect_train()
+        model = meta_copy(module)
+        with torch.device("meta"):
+            model.configure_model()
+        memory = self.device_memory or device_memory_of(self.strategy.device)
+        try:
+            plan = estimate(model, first_batch(self.data.train_dataloader), self.world_size, self.precision.name,
+                            AUTO_ORDER, memory, self.activation_checkpointing, self.strategy.device.type)
+            row = choose(plan, checkpointing=bool(self.activation_checkpointing))
+            decision = (row.strategy, f"strategy='auto': {row.strategy}, the fastest plan that fits: "
+                        f"{human(row.peak)} per rank of {human(memory)} ("
+                        + ", ".join(f"{r.strategy} {human(r.peak)}" for r in plan.rows) + ")")
+        except ValueError as err:
+            decision = (None, str(err))
+        name, message = self.strategy.broadcast_object(decision)
+        if name is None:
+            raise ValueError(message)
+        if self.is_global_zero:
+            print(message, flush=True)
+        chosen = get_strategy(name)
+        chosen.setup_environment(self.env, comm=self.strategy.comm)
+        self.strategy = self.data.strategy = chosen
+        self.results = Results(chosen.reduce)
 
     def _log_hyperparams(self) -> None:
         if not self.is_global_zero:
@@ -395,3 +448,4 @@ class Trainer(TrainerProperties):
         width = max(len(k) for k in metrics)
         lines = [f"{fn} results"] + [f"  {k:<{width}}  {v:.6g}" for k, v in sorted(metrics.items())]
         print("\n".join(lines))
+

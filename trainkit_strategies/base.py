@@ -238,6 +238,10 @@ class Strategy(ABC):
         assert self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
 
+    def comms(self) -> list[Comm]:
+        """Every communicator this strategy moves data through (their stats together are its traffic)."""
+        return [self.comm]
+
     def settle(self) -> None:
         """Finish work a strategy keeps in flight across steps (a delayed parameter update, say), so the working
         parameters hold every step taken. Collective; the Trainer calls it before evaluating and after fit."""

@@ -71,16 +71,27 @@ def _elastic_store(env: Environment, timeout: timedelta) -> Any:
     return dist.PrefixStore("default_pg", store)
 
 
+def _copy_alone(output: Tensor, input: Tensor) -> None:
+    """A collective with nobody to talk to: the output is the input. A strategy laid out for more ranks than it
+    communicates with (``trainkit estimate`` measures layouts on the meta device) gets the overlapping part."""
+    if output.data_ptr() == input.data_ptr() and output.device.type != "meta":
+        return
+    n = min(output.numel(), input.numel())
+    output.view(-1)[:n].copy_(input.reshape(-1)[:n])
+
+
 class PeerError(RuntimeError):
     """A collective failed because another rank died, raised, or stopped answering within the timeout."""
 
 
 @dataclass
 class CommStats:
-    """Payload bytes and call counts per collective kind."""
+    """Payload bytes and call counts per collective kind, and the seconds spent inside torch.distributed calls
+    (waiting for a collective, or running one that blocks: what a step spends on communication it does not hide)."""
 
     bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    wait_s: float = 0.0
 
     def volume(self) -> int:
         """Bytes in reduce-scatter/all-gather units: an all-reduce counts twice its payload."""
@@ -89,6 +100,7 @@ class CommStats:
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+        self.wait_s = 0.0
 
     def snapshot(self) -> dict[str, int]:
         return dict(self.bytes)
@@ -184,6 +196,7 @@ class Comm:
         self.stats.calls[kind] += 1
 
     def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         except (RuntimeError, dist.DistError) as err:
@@ -191,6 +204,8 @@ class Comm:
                 f"A collective across {self.world_size} ranks failed: another rank crashed, was killed, raised an "
                 f"error, or did not answer within timeout_s={self.timeout_s:g}. Original error: {err}"
             ) from err
+        finally:
+            self.stats.wait_s += time.perf_counter() - start
 
     def _run(self, fn: Any, *args: Any, async_op: bool = False, **kwargs: Any) -> Handle:
         work = self._guard(fn, *args, group=self.group, async_op=async_op, **kwargs)
@@ -209,8 +224,7 @@ class Comm:
         ``input`` is scratch space: its contents are undefined afterwards.
         """
         if not self.active:
-            if output.data_ptr() != input.data_ptr():
-                output.copy_(input.view_as(output))
+            _copy_alone(output, input)
             return _DONE
         self._count("reduce_scatter", input)
         if self.ring and op == "sum":
@@ -220,8 +234,7 @@ class Comm:
     def all_gather(self, output: Tensor, input: Tensor, async_op: bool = False) -> Handle:
         """``output`` (N times ``input``) receives every rank's ``input`` in rank order."""
         if not self.active:
-            if output.data_ptr() != input.data_ptr():
-                output.copy_(input.view_as(output))
+            _copy_alone(output, input)
             return _DONE
         self._count("all_gather", output)
         if self.ring:

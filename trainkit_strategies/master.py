@@ -19,6 +19,7 @@ from trainkit_strategies import state as st
 from trainkit_strategies.base import sharded_norm
 from trainkit_strategies.flat import FlatBucket
 from trainkit_strategies.host_adam import ChunkedAdam, chunked_adam_supported
+from trainkit_strategies.memory import host_device
 
 _FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
@@ -100,11 +101,10 @@ class MasterShards:
                 if not offload or sum(v.piece for v in on_device) + b.piece <= budget:
                     on_device.append(b)
             on_host = [b for b in members if b not in on_device]
-            for place, chosen in ((device, on_device), (torch.device("cpu"), on_host)):
+            for host, place, chosen in ((False, device, on_device), (True, host_device(device), on_host)):
                 size = sum(b.piece for b in chosen)
                 if not size:
                     continue
-                host = place.type == "cpu" and offload
                 flat = torch.zeros(size, dtype=dtype, device=place, pin_memory=staged and host)
                 self.flats.append(flat)
                 extra = {}
@@ -129,7 +129,8 @@ class MasterShards:
     def add_low_buffers(self, dtype: torch.dtype) -> None:
         """Give host pieces compute-dtype buffers of their own (see ``separate_low``) if they have none."""
         for index in self.on_host - self.host_low.keys():
-            self.host_low[index] = torch.zeros(self.pieces[index].numel(), dtype=dtype, device="cpu")
+            self.host_low[index] = torch.zeros(self.pieces[index].numel(), dtype=dtype,
+                                               device=host_device(self.device))
 
     def retarget(self, optimizer: Optimizer) -> None:
         """Point each param group at its buckets' pieces (one tensor per bucket), keeping its hyperparameters;

@@ -32,41 +32,57 @@ class MemoryReport:
 
     @classmethod
     def of(cls, device: dict[str, Iterable[Tensor]], host: dict[str, Iterable[Tensor]] | None = None) -> MemoryReport:
-        seen: set[int] = set()
+        seen: set[object] = set()
 
         def count(tensors: Iterable[Tensor]) -> int:
             total = 0
             for t in tensors:
                 storage = t.untyped_storage()
-                if storage.data_ptr() in seen or t.device.type == "meta":
+                key = _storage_key(t)
+                if key in seen:
                     continue
-                seen.add(storage.data_ptr())
+                seen.add(key)
                 total += storage.nbytes()
             return total
 
         return cls({k: count(v) for k, v in device.items()}, {k: count(v) for k, v in (host or {}).items()})
 
 
+def host_device(device: torch.device) -> torch.device:
+    """Where a strategy computing on ``device`` keeps host memory: the CPU, or the meta device when the strategy
+    is only being measured (``trainkit estimate`` sets strategies up on meta tensors)."""
+    return torch.device("meta") if device.type == "meta" else torch.device("cpu")
+
+
+def _storage_key(t: Tensor) -> object:
+    """What identifies ``t``'s storage: its address, or, for meta and fake tensors (whose storages are all at 0:
+    ``trainkit estimate`` measures strategies and traces steps without memory), the storage object itself."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    storage = t.untyped_storage()
+    return ("virtual", storage._cdata) if t.device.type == "meta" or is_fake(t) else storage.data_ptr()
+
+
 class ActivationMeter:
     """Counts the bytes autograd saves for backward inside the context, each storage once.
 
     Uses ``torch.autograd.graph.saved_tensors_hooks``, so the count is deterministic and device
-    independent. Under non-reentrant activation checkpointing the inner region's tensors are not
+    independent (meta and fake tensors count their size: an estimate traces a step without memory). Under
+    non-reentrant activation checkpointing the inner region's tensors are not
     saved (the checkpoint saves its inputs instead, which this meter does see). Pass the model's
     parameters as ``exclude`` to count activations only (weights saved by matmuls are not extra memory).
     """
 
     def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
         self.bytes = 0
-        self._seen: set[int] = {t.untyped_storage().data_ptr() for t in exclude}
+        self._seen: set[object] = {_storage_key(t) for t in exclude}
         self._hooks: Any = None
 
     def _pack(self, tensor: Tensor) -> Tensor:
-        if tensor.device.type != "meta":
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in self._seen:
-                self._seen.add(storage.data_ptr())
-                self.bytes += storage.nbytes()
+        key = _storage_key(tensor)
+        if key not in self._seen:
+            self._seen.add(key)
+            self.bytes += tensor.untyped_storage().nbytes()
         return tensor
 
     def __enter__(self) -> ActivationMeter:

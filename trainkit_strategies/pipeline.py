@@ -172,6 +172,7 @@ class PipelineStrategy(Strategy, RunsSchedule):
             self._group_names = st.group_names_of(optimizer, names)
         self._shapes, _ = self._whole_state(skip=set())
         counts = self._split([sum(p.numel() for p in layer.parameters()) for layer in layers])
+        self.stage_sizes = counts  # layers per stage
         bounds = [sum(counts[:s]) for s in range(self.stages + 1)]
         stage_of: dict[nn.Parameter, set[int]] = {}
         for s in range(self.stages):
@@ -380,6 +381,10 @@ class PipelineStrategy(Strategy, RunsSchedule):
 
     def zero_grad(self) -> None:
         self.inner.zero_grad()
+
+    def comms(self) -> list[Comm]:
+        unique = {id(c): c for c in [self.comm, self.pipe, *self.inner.comms(), *(c for _, c, _ in self._tied)]}
+        return list(unique.values())
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # the schedule applies the precision policy around each stage forward

@@ -35,7 +35,7 @@ from trainkit_strategies import state as st
 from trainkit_strategies.base import Strategy
 from trainkit_strategies.flat import BucketReducer, FlatBucket, OrderedLauncher, pack
 from trainkit_strategies.master import DeferredGradScale, MasterShards, transfer
-from trainkit_strategies.memory import MemoryReport
+from trainkit_strategies.memory import MemoryReport, host_device
 from trainkit_strategies.precision import Precision
 
 
@@ -185,7 +185,8 @@ class OffloadedGradients(PartitionedGradients):
 
     def attach(self, group: _Group) -> None:
         size = sum(b.piece for b in group.buckets)
-        self.buffers.append(torch.zeros(size, dtype=group.working.dtype, device="cpu", pin_memory=self._cuda))
+        self.buffers.append(torch.zeros(size, dtype=group.working.dtype, device=host_device(group.working.device),
+                                        pin_memory=self._cuda))
         if self._cuda and not self._scratch:
             largest = max(b.piece for b in self.strategy.buckets)
             self._scratch = [torch.empty(largest, dtype=group.working.dtype, device=group.working.device)

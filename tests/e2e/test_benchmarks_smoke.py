@@ -13,7 +13,7 @@ def test_trainer_overhead_smoke():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "trainer_overhead.py"), "--smoke"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "raw PyTorch loop" in proc.stdout and "Trainer (logger/bar/ckpt off)" in proc.stdout
+    assert "raw PyTorch loop" in proc.stdout and "Trainer (defaults: all on)" in proc.stdout
 
 
 def test_strategies_smoke():

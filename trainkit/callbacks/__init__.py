@@ -2,7 +2,9 @@ from trainkit.callbacks.base import Callback
 from trainkit.callbacks.checkpointing import ModelCheckpoint, OnExceptionCheckpoint
 from trainkit.callbacks.early_stopping import EarlyStopping
 from trainkit.callbacks.lr_monitor import LearningRateMonitor
+from trainkit.callbacks.profiler import PyTorchProfiler, SimpleProfiler
 from trainkit.callbacks.progress import ProgressBar
+from trainkit.callbacks.telemetry import Telemetry
 from trainkit.callbacks.throughput import ThroughputMonitor
 
 __all__ = [
@@ -12,5 +14,8 @@ __all__ = [
     "ModelCheckpoint",
     "OnExceptionCheckpoint",
     "ProgressBar",
+    "PyTorchProfiler",
+    "SimpleProfiler",
+    "Telemetry",
     "ThroughputMonitor",
 ]

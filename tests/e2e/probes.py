@@ -1,0 +1,42 @@
+"""Callbacks that record what a run did, for tests that drive the CLI in subprocesses."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from trainkit.callbacks import Callback
+
+
+class CommProbe(Callback):
+    """Writes, on rank 0, every optimizer step's communication bytes by kind (deltas of ``Comm.stats`` over all
+    of the strategy's communicators) to ``path``."""
+
+    def __init__(self, path: str = "comm.json") -> None:
+        self.path = Path(path)
+        self.steps: dict[int, dict[str, int]] = {}
+        self._before: dict[str, int] = {}
+        self._last = -1
+
+    def _totals(self, trainer: Any) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for comm in trainer.strategy.comms():
+            for kind, n in comm.stats.bytes.items():
+                totals[kind] = totals.get(kind, 0) + n
+        return totals
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        self._before, self._last = self._totals(trainer), trainer.global_step
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self._last or trainer.accumulating:
+            return
+        self._last = trainer.global_step
+        now = self._totals(trainer)
+        self.steps[trainer.global_step] = {k: n - self._before.get(k, 0) for k, n in now.items()}
+        self._before = now
+
+    def on_train_end(self, trainer: Any, module: Any) -> None:
+        if trainer.is_global_zero:
+            self.path.write_text(json.dumps(self.steps))

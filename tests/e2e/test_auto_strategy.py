@@ -1,0 +1,58 @@
+"""strategy="auto" on several ranks: the fastest strategy whose planned memory fits the device, chosen when fit
+starts and said in one line; none fitting is an error naming the smallest plan."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from tests.e2e.cli_runs import ROOT
+from tests.helpers import accelerator_for
+from trainkit.demo.gpt import DemoGPT
+from trainkit.demo.markov import MarkovData
+from trainkit.estimate import HEADROOM, estimate, first_batch
+
+ARGS = ["--trainer.devices", "2", "--trainer.accelerator", accelerator_for(2), "--trainer.max_steps", "2",
+        "--trainer.enable_progress_bar", "false", "--trainer.logger", "false", "--trainer.timeout_s", "120",
+        "--data", "trainkit.demo.markov.MarkovData", "--data.train_sequences", "256", "--data.val_sequences", "32"]
+
+
+def _plan():
+    with torch.device("meta"):
+        module = DemoGPT()
+    data = MarkovData(train_sequences=256, val_sequences=32)
+    data.setup("fit")
+    return estimate(module, first_batch(data.train_dataloader()), world_size=2,
+                    strategies=["ddp", "zero1", "zero2", "fsdp", "zero_offload"])
+
+
+def _fit(tmp_path, memory: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run([sys.executable, "-m", "trainkit.cli", "fit", *ARGS, "--trainer.default_root_dir",
+                           str(tmp_path), "--trainer.device_memory", str(memory)], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)
+
+
+def test_auto_picks_a_sharded_strategy_when_ddp_does_not_fit(tmp_path):
+    plan = _plan()
+    ddp, zero1 = plan.row("ddp").peak, plan.row("zero1").peak
+    assert zero1 < ddp
+    memory = int((ddp + zero1) / 2 / HEADROOM)  # room for zero1's plan, not for ddp's
+    proc = _fit(tmp_path, memory)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "strategy='auto': zero1, the fastest plan that fits" in proc.stdout, proc.stdout[-2000:]
+    from trainkit.checkpoint import CheckpointReader, latest
+
+    assert CheckpointReader(latest(tmp_path / "checkpoints")).meta["strategy"] == "zero1"
+
+
+def test_auto_with_nothing_fitting_names_the_smallest_plan(tmp_path):
+    plan = _plan()
+    smallest = min(plan.rows, key=lambda r: r.peak)
+    proc = _fit(tmp_path, smallest.peak // 4)
+    assert proc.returncode != 0
+    assert "No strategy fits in" in proc.stderr and f"the smallest plan is {smallest.strategy}" in proc.stderr, \
+        proc.stderr[-3000:]
