@@ -120,3 +120,27 @@ def test_sizes_parse():
     assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("24GiB") == 24 * 2**30 and parse_bytes(512) == 512
     with pytest.raises(ValueError, match="80 gigs"):
         parse_bytes("80 gigs")
+
+
+SEVEN_B = ["estimate", "--model.vocab_size", "50304", "--model.block_size", "2048", "--model.n_layer", "36",
+           "--model.n_head", "32", "--model.n_embd", "4096", "--data", "trainkit.demo.markov.MarkovData",
+           "--data.seq_len", "2048", "--data.batch_size", "1", "--data.train_sequences", "4",
+           "--devices_per_node", "8", "--nodes", "8", "--trainer.precision", "bf16-mixed", "--device_memory", "80GB"]
+
+
+def test_estimate_of_a_7_5b_model_at_64_ranks_agrees_with_the_zero_paper(capsys):
+    """Rajbhandari et al. (2020), §5: per rank, DP 16Ψ, ZeRO-1 4Ψ + 12Ψ/N, ZeRO-2 2Ψ + 14Ψ/N, ZeRO-3 16Ψ/N; the
+    sharded stages add one bucket in flight (the largest: the 50304 x 4096 embedding, 0.41 GB in bf16)."""
+    from trainkit.cli import main
+
+    main(args=SEVEN_B)
+    out = capsys.readouterr().out
+    print(out)
+    psi = float(out.split("B parameters")[0]) * 1e9
+    n, bucket = 64, 50304 * 4096 * 2
+    rows = {line.split()[0]: float(line.split()[1]) * 1e9 for line in out.splitlines()[2:] if line.split()[2] == "GB"}
+    assert 7.4e9 < psi < 7.6e9
+    expected = {"ddp": 16 * psi, "zero1": 4 * psi + 12 * psi / n, "zero2": 2 * psi + 14 * psi / n + bucket,
+                "zero3": 16 * psi / n + bucket, "fsdp": 16 * psi / n + bucket}
+    for name, want in expected.items():
+        assert abs(rows[name] - want) <= 0.01 * want, (name, rows[name], want)
