@@ -4,7 +4,7 @@ Both run the same model, pre-made batches and AdamW in one process, alternating,
 Fixed costs (setup, first-iteration warm-up) are removed by timing two run lengths and taking the
 slope: per-step time = (T(long) - T(short)) / (long - short). Printed: raw loop, Trainer with
 everything off (no logger, progress bar or checkpointing), Trainer with them on but telemetry off, Trainer
-with its defaults (all of them and telemetry: the cost of Telemetry is the difference), the
+with its defaults (all of them and telemetry: the cost of Telemetry and ThroughputMonitor is the difference), the
 overhead in microseconds per step and the ratio to the raw loop.
 
     python benchmarks/trainer_overhead.py            # full run (~1 min)

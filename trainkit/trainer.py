@@ -22,6 +22,7 @@ from trainkit.callbacks.checkpointing import ModelCheckpoint
 from trainkit.callbacks.profiler import SimpleProfiler, make_profiler
 from trainkit.callbacks.progress import ProgressBar
 from trainkit.callbacks.telemetry import Telemetry
+from trainkit.callbacks.throughput import ThroughputMonitor
 from trainkit.data import DataConnector, DataModule
 from trainkit.dispatch import HookDispatch
 from trainkit.estimate import AUTO_ORDER, choose, device_memory_of, estimate, first_batch, human, meta_copy, parse_bytes
@@ -74,8 +75,8 @@ class Trainer(TrainerProperties):
         enable_checkpointing: add a default ModelCheckpoint when none is given.
         enable_progress_bar: show a progress bar on rank 0.
         enable_model_summary: print the module's top-level layers and parameter counts when fit starts.
-        enable_telemetry: log ``comm/``, ``time/`` and ``memory/`` scalars with the metrics (``Telemetry``); only
-            with a logger.
+        enable_telemetry: log ``comm/``, ``time/`` and ``memory/`` scalars (``Telemetry``) and ``throughput/``
+            ones (``ThroughputMonitor``: samples/s, model TFLOP/s, MFU) with the metrics; only with a logger.
         profiler: "pytorch" (torch.profiler trace of a few steps under the log directory), "simple" (a table of
             hook and step times when fit ends) or None.
         use_distributed_sampler: replace a DataLoader's default sampler by trainkit's (sharded by rank,
@@ -174,8 +175,10 @@ class Trainer(TrainerProperties):
             self.callbacks.append(ModelCheckpoint())
         if enable_progress_bar and not any(isinstance(c, ProgressBar) for c in self.callbacks):
             self.callbacks.append(ProgressBar())
-        if enable_telemetry and self.loggers and not any(isinstance(c, Telemetry) for c in self.callbacks):
-            self.callbacks.append(Telemetry())
+        if enable_telemetry and self.loggers:
+            for kind in (Telemetry, ThroughputMonitor):
+                if not any(isinstance(c, kind) for c in self.callbacks):
+                    self.callbacks.append(kind())
         self.profiler = make_profiler(profiler)
         if self.profiler is not None:
             self.callbacks.append(self.profiler)

@@ -32,14 +32,19 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def rss_bytes() -> int:
-    """The process's resident memory now (Linux: /proc/self/statm)."""
+    """The process's resident memory now (Linux: /proc/self/statm, kept open and re-read)."""
+    global _STATM
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * _PAGE
+        if _STATM is None or _STATM[0] != os.getpid():  # /proc/self names the process that opened it
+            _STATM = (os.getpid(), os.open("/proc/self/statm", os.O_RDONLY))
+        return int(os.pread(_STATM[1], 128, 0).split()[1]) * _PAGE
     except OSError:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+_STATM: tuple[int, int] | None = None  # (pid, fd)
 
 
 class Telemetry(Callback):

@@ -1,10 +1,12 @@
-"""ThroughputMonitor: samples/s and items/s (tokens, say) over each logging interval, all ranks."""
+"""ThroughputMonitor: samples/s, items/s (tokens, say) and model FLOPs utilisation over each logging interval."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from trainkit.callbacks.base import Callback
 from trainkit.utils import infer_batch_size
@@ -13,25 +15,55 @@ if TYPE_CHECKING:
     from trainkit.module import TrainModule
     from trainkit.trainer import Trainer
 
+# dense peak FLOP/s per device for 16-bit matrix products (vendor datasheets, SXM parts), matched against
+# torch.cuda.get_device_name; fp32 runs on TF32 cores at half these rates
+PEAK_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "V100": 125e12}
+
 
 class ThroughputMonitor(Callback):
-    """Logs ``throughput/samples_per_sec`` and, when steps return ``num_items``,
-    ``throughput/items_per_sec``, both summed over ranks (each rank's rate times the world size).
+    """Logs, at every ``log_every_n_steps``-th optimizer step, rates over the wall time since the previous log:
+
+    - ``throughput/samples_per_sec`` and, when steps return ``num_items``, ``throughput/items_per_sec``, over
+      all data-parallel replicas (this rank's rate times their number);
+    - ``throughput/tflops_per_device``: this rank's model FLOPs (forward and backward) per second, and
+      ``throughput/mfu``, that over the device's peak, when the peak is known.
+
+    Model FLOPs per sample come from the module's ``flops_per_sample`` (a number, or a method returning one),
+    or else are counted once, over the first optimizer step, with ``torch.utils.flop_counter.FlopCounterMode``
+    (matrix products, convolutions, attention). Recomputation under activation checkpointing is counted too,
+    so the figure is then nearer hardware FLOPs utilisation. Under ``pipeline`` a rank counts its own stage.
 
     Args:
         batch_size_fn: batch -> number of samples (default: leading dimension of the first tensor).
+        peak_flops: the device's peak FLOP/s for ``throughput/mfu``; by default the dense 16-bit peak (half of
+            it for fp32) of the GPUs in ``PEAK_FLOPS``, and none on a CPU.
+        count_flops: count model FLOPs when the module does not give them.
     """
 
-    def __init__(self, batch_size_fn: Callable[[Any], int] | None = None) -> None:
+    def __init__(self, batch_size_fn: Callable[[Any], int] | None = None, peak_flops: float | None = None,
+                 count_flops: bool = True) -> None:
         self.batch_size_fn = batch_size_fn or infer_batch_size
+        self.peak_flops, self.count_flops = peak_flops, count_flops
+        self.flops_per_sample: float | None = None
         self._samples = 0
         self._items: Any = 0.0
         self._t0 = 0.0
         self._last_step = -1
+        self._counter: Any = None
         self.last: dict[str, float] = {}
 
     def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
         self._t0 = time.perf_counter()
+        self._samples, self._items, self._last_step = 0, 0.0, trainer.global_step
+        given = getattr(module, "flops_per_sample", None)
+        self.flops_per_sample = float(given() if callable(given) else given) if given is not None else None
+        if self.peak_flops is None:
+            self.peak_flops = peak_flops_of(trainer.strategy.device, trainer.precision.working_dtype)
+        if self.flops_per_sample is None and self.count_flops:
+            from torch.utils.flop_counter import FlopCounterMode
+
+            self._counter = FlopCounterMode(display=False)  # until the first optimizer step closes
+            self._counter.__enter__()
 
     def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -39,14 +71,48 @@ class ThroughputMonitor(Callback):
         if isinstance(outputs, Mapping) and outputs.get("num_items") is not None:
             self._items = self._items + outputs["num_items"]  # a tensor stays on device until logged
         step = trainer.global_step
-        if step == self._last_step or step % trainer.log_every_n_steps != 0:
+        if step == self._last_step or trainer.accumulating:
             return
         self._last_step = step
+        if self._counter is not None:
+            flops = self._stop_counting()
+            self.flops_per_sample = flops / self._samples if flops and self._samples else None
+        if step % trainer.log_every_n_steps != 0:
+            return
         now = time.perf_counter()
         elapsed = max(now - self._t0, 1e-9)
-        world = trainer.world_size
-        self.last = {"throughput/samples_per_sec": self._samples * world / elapsed}
+        replicas = trainer.strategy.dp_size
+        self.last = {"throughput/samples_per_sec": self._samples * replicas / elapsed}
         if float(self._items):
-            self.last["throughput/items_per_sec"] = float(self._items) * world / elapsed
+            self.last["throughput/items_per_sec"] = float(self._items) * replicas / elapsed
+        if self.flops_per_sample:
+            achieved = self.flops_per_sample * self._samples / elapsed
+            self.last["throughput/tflops_per_device"] = achieved / 1e12
+            if self.peak_flops:
+                self.last["throughput/mfu"] = achieved / self.peak_flops
         trainer.log_metrics(self.last, step)
         self._samples, self._items, self._t0 = 0, 0.0, now
+
+    def on_train_end(self, trainer: Trainer, module: TrainModule) -> None:
+        self._stop_counting()
+
+    def on_exception(self, trainer: Trainer, module: TrainModule, exception: BaseException) -> None:
+        self._stop_counting()
+
+    def _stop_counting(self) -> int:
+        counter, self._counter = self._counter, None
+        if counter is None:
+            return 0
+        counter.__exit__(None, None, None)
+        return counter.get_total_flops()
+
+
+def peak_flops_of(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The dense peak FLOP/s of ``device`` for matrix products in ``dtype``, when it is a GPU in ``PEAK_FLOPS``."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for model, peak in PEAK_FLOPS.items():
+        if model in name:
+            return peak if dtype in (torch.bfloat16, torch.float16) else peak / 2
+    return None

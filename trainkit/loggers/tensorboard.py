@@ -1,7 +1,10 @@
-"""TensorBoard event files (scalars + hparams) through torch.utils.tensorboard."""
+"""TensorBoard event files (scalars + hparams), written synchronously with tensorboard's record format."""
 
 from __future__ import annotations
 
+import os
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -9,11 +12,19 @@ from trainkit.loggers.base import Logger, flatten_params
 
 
 class TensorBoardLogger(Logger):
-    """Writes to ``<root_dir>/<name>/version_<N>``; ``tensorboard --logdir <root_dir>`` shows every run."""
+    """Writes to ``<root_dir>/<name>/version_<N>``; ``tensorboard --logdir <root_dir>`` shows every run.
+
+    Scalars and hyperparameters go to one event file, written by the calling thread into a buffered file
+    (one event per ``log_metrics`` call, holding all its scalars) and flushed by ``save()``: no writer
+    thread competes with the training loop. ``writer`` is a ``torch.utils.tensorboard.SummaryWriter`` on the
+    same directory, created on first use, for anything else (histograms, images, graphs).
+    """
 
     def __init__(self, root_dir: str | Path = "runs", name: str = "trainkit", version: int | str | None = None) -> None:
         super().__init__(root_dir, name, version)
         self._writer: Any = None
+        self._file: Any = None
+        self._records: Any = None
         self._hparams: dict[str, Any] = {}
 
     @property
@@ -25,9 +36,24 @@ class TensorBoardLogger(Logger):
             self._writer = SummaryWriter(log_dir=str(self.log_dir))
         return self._writer
 
+    def _write(self, **fields: Any) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+
+        if self._records is None:
+            from tensorboard.summary.writer.record_writer import RecordWriter
+
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.trainkit"
+            self._file = open(self.log_dir / name, "wb")  # noqa: SIM115 (closed by finalize)
+            self._records = RecordWriter(self._file)
+            self._records.write(Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
+        self._records.write(Event(wall_time=time.time(), **fields).SerializeToString())
+
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        for key, value in metrics.items():
-            self.writer.add_scalar(key, value, step)
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=key, simple_value=float(value)) for key, value in metrics.items()]
+        self._write(step=step, summary=Summary(value=values))
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         from torch.utils.tensorboard.summary import hparams
@@ -36,16 +62,20 @@ class TensorBoardLogger(Logger):
         if not self._hparams:
             return
         exp, ssi, sei = hparams({k: ("None" if v is None else v) for k, v in self._hparams.items()}, {})
-        file_writer = self.writer._get_file_writer()
         for summary in (exp, ssi, sei):
-            file_writer.add_summary(summary)
+            self._write(summary=summary)
 
     def save(self) -> None:
+        if self._file is not None:
+            self._file.flush()
         if self._writer is not None:
             self._writer.flush()
 
     def finalize(self, status: str) -> None:
+        self.save()
+        if self._file is not None:
+            self._file.close()
+            self._file = self._records = None
         if self._writer is not None:
-            self._writer.flush()
             self._writer.close()
             self._writer = None
