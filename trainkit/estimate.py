@@ -300,7 +300,7 @@ def choose(plan: Estimate, checkpointing: bool) -> StrategyEstimate:
         f"No strategy fits in {human(plan.device_memory)} per device ({int(HEADROOM * 100)}% usable): the smallest "
         f"plan is {smallest.strategy} with {human(need(smallest))} per rank (model state {human(smallest.device)}, "
         f"activations {human(need(smallest) - smallest.device)}) at {plan.world_size} ranks. Use more devices, "
-        "activation checkpointing, a smaller batch, or a sharded strategy by name (zero3, fsdp).")
+        "activation checkpointing, a smaller batch, or another strategy by name (zero3, pipeline).")
 
 
 def device_memory_of(device: torch.device) -> int:
