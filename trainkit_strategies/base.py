@@ -172,8 +172,18 @@ class Strategy(ABC):
     def forward_context(self) -> contextlib.AbstractContextManager:
         return self.precision.forward_context(self.device)
 
-    def backward(self, loss: Tensor) -> None:
-        loss.backward()
+    def backward(self, loss: Tensor, gradient: Tensor | None = None) -> None:
+        """``loss.backward(gradient)`` (``gradient``: for a non-scalar output, as a pipeline stage has), inside
+        ``backward_pass``."""
+        with self.backward_pass():
+            loss.backward(gradient)
+
+    @contextlib.contextmanager
+    def backward_pass(self) -> Iterator[None]:
+        """Around one autograd pass that accumulates parameter gradients: a backward, or the weight-gradient
+        pass of a zero-bubble pipeline schedule. Strategies whose gradient hooks count what each pass brings
+        reset the count here."""
+        yield
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

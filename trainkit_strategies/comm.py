@@ -168,9 +168,11 @@ class Comm:
             )
         return cls(env.world_size, env.rank, timeout_s=env.timeout_s)
 
-    def subgroup(self, ranks: list[int]) -> Comm:
-        """A Comm over ``ranks`` (global ranks). Every rank must call this with the same list, in order."""
-        if self.world_size == 1 or len(ranks) == self.world_size:
+    def subgroup(self, ranks: list[int], fresh: bool = False) -> Comm:
+        """A Comm over ``ranks`` (global ranks). Every rank must call this with the same list, in order.
+        ``fresh``: a group of its own even when ``ranks`` is the whole world (point-to-point traffic on it then
+        never interleaves with another group's between the same ranks)."""
+        if self.world_size == 1 or (len(ranks) == self.world_size and not fresh):
             return Comm(self.world_size, self.rank, self.group, self.ranks, self.timeout_s) if len(ranks) > 1 \
                 else Comm(timeout_s=self.timeout_s)
         group = dist.new_group(ranks, timeout=timedelta(seconds=self.timeout_s))

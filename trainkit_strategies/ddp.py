@@ -14,6 +14,8 @@ last backward.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -99,10 +101,11 @@ class DDPStrategy(Strategy):
         self._launcher = OrderedLauncher([len(g) for g in groups], self._launch)
 
     # -- backward and reduction ----------------------------------------------------------------------
-    def backward(self, loss: Tensor) -> None:
+    @contextlib.contextmanager
+    def backward_pass(self) -> Iterator[None]:
         if self._syncing:
             self._launcher.reset()
-        loss.backward()
+        yield
 
     def _on_grad(self, param: Tensor) -> None:
         slot = self._slots[param]

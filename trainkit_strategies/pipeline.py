@@ -6,12 +6,16 @@ items, optionally ``{"loss", "num_items"}``). Optional: ``pipeline_input(batch)`
 first element) and ``pipeline_validation_step(output, batch, batch_idx) -> {name: mean}`` for
 evaluation. The layers are split into contiguous stages balanced by parameter count (or ``split``);
 with ``world_size = stages * replicas`` rank ``r`` runs stage ``r % stages`` of replica ``r // stages``,
-and each stage's gradients are reduced across replicas by an inner data-parallel strategy (ddp or
-zero1) working in that stage's subgroup.
+and each stage's gradients are reduced across replicas by an inner data-parallel strategy (ddp, zero1,
+zero2 or fsdp) working in that stage's subgroup. With ``virtual_stages = v`` the layers are cut into
+``stages * v`` chunks and rank ``s`` holds chunks ``s, s + stages, s + 2 stages, ...`` (interleaved 1F1B).
 
 One batch is cut into ``microbatches`` pieces and run by a schedule from ``schedules.py`` (1F1B by
-default): activations and their gradients travel between neighbouring stages with asynchronous
-send/recv, each preceded by a small header (shape and dtype) so stages need not know shapes in advance.
+default): activations and their gradients travel between neighbouring chunks with asynchronous
+send/recv, one process group per chunk boundary (so the traffic of different boundaries between the
+same two ranks never interleaves), each preceded by a small header (shape and dtype) the first time so
+stages need not know shapes in advance. Under ``zero_bubble`` a backward is split into B (the input
+gradient, ``split_backward.input_gradient``) and W (the weight gradients), which the schedule runs later.
 Every micro-batch's loss is weighted by its item count (samples unless ``num_items`` is given), so the
 pipelined step equals the full-batch step. Parameters shared by layers on different stages (a tied
 embedding and LM head) are kept in sync by summing their gradients across those stages each step.
@@ -34,7 +38,10 @@ from trainkit_strategies.comm import Comm, Handle
 from trainkit_strategies.memory import ActivationMeter, MemoryReport
 from trainkit_strategies.precision import Precision
 from trainkit_strategies.registry import get_strategy
-from trainkit_strategies.schedules import SCHEDULES, partition
+from trainkit_strategies.schedules import SCHEDULES, gpipe, partition, rank_and_chunk, virtual_stage
+from trainkit_strategies.split_backward import WeightGradients, input_gradient
+
+DATA_PARALLEL = ("ddp", "zero1", "zero2", "fsdp")
 
 
 class _Stage(nn.Module):
@@ -48,6 +55,14 @@ class _Stage(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
+
+
+class _Chunks(nn.Module):
+    """This rank's model chunks: ``chunks[c]`` is virtual stage ``c * stages + rank`` of the model."""
+
+    def __init__(self, chunks: Sequence[Sequence[nn.Module]]) -> None:
+        super().__init__()
+        self.chunks = nn.ModuleList(_Stage(layers) for layers in chunks)
 
 
 def _first_tensor(batch: Any) -> Tensor:
@@ -95,18 +110,22 @@ class PipelineStrategy(Strategy, RunsSchedule):
         stages: pipeline depth (default: every rank a stage). The world size must be a multiple of it.
         microbatches: pieces each batch is cut into along its first dimension (``tensor_split``: sizes
             differ by at most one); a batch with fewer samples runs with one micro-batch per sample.
-        schedule: "1f1b" (bounded activation memory) or "gpipe".
-        split: layers per stage, e.g. ``[3, 5]``; default: balanced by parameter count.
-        data_parallel: strategy reducing each stage's gradients across replicas: "ddp" or "zero1".
-        bucket_mb: bucket size of that strategy.
+        schedule: "1f1b" (bounded activation memory), "gpipe", "interleaved_1f1b" (with ``virtual_stages``;
+            ``microbatches`` a multiple of ``stages``) or "zero_bubble" (ZB-H1: B and W split).
+        virtual_stages: model chunks per rank under "interleaved_1f1b" (or "gpipe").
+        split: layers per chunk (``stages * virtual_stages`` of them), e.g. ``[3, 5]``; default: balanced by
+            parameter count.
+        data_parallel: strategy reducing each stage's gradients across replicas: "ddp", "zero1", "zero2" or
+            "fsdp".
+        bucket_mb: bucket size of that strategy (ddp and ZeRO).
         measure_activations: record the peak of activation bytes alive per step (``activation_peak``).
     """
 
     name = "pipeline"
 
     def __init__(self, stages: int | None = None, microbatches: int = 4, schedule: str = "1f1b",
-                 split: list[int] | None = None, data_parallel: str = "ddp", bucket_mb: float = 25.0,
-                 measure_activations: bool = False) -> None:
+                 virtual_stages: int = 1, split: list[int] | None = None, data_parallel: str = "ddp",
+                 bucket_mb: float = 25.0, measure_activations: bool = False) -> None:
         super().__init__()
         if stages is not None and stages < 1:
             raise ValueError(f"pipeline stages must be >= 1; got {stages}.")
@@ -114,9 +133,19 @@ class PipelineStrategy(Strategy, RunsSchedule):
             raise ValueError(f"pipeline microbatches must be >= 1; got {microbatches}.")
         if schedule not in SCHEDULES:
             raise ValueError(f"pipeline schedule must be one of {sorted(SCHEDULES)}; got {schedule!r}.")
-        if data_parallel not in ("ddp", "zero1"):
-            raise ValueError(f"pipeline data_parallel must be 'ddp' or 'zero1'; got {data_parallel!r}.")
+        if virtual_stages < 1 or (virtual_stages > 1 and schedule not in ("interleaved_1f1b", "gpipe")):
+            raise ValueError(f"pipeline virtual_stages={virtual_stages}: several model chunks per rank run under "
+                             f"schedule 'interleaved_1f1b' (or 'gpipe'), not {schedule!r}; use virtual_stages=1.")
+        if data_parallel not in DATA_PARALLEL:
+            raise ValueError(f"pipeline data_parallel must be one of {', '.join(DATA_PARALLEL)}; "
+                             f"got {data_parallel!r}.")
+        if schedule == "zero_bubble" and data_parallel == "fsdp":
+            raise ValueError("pipeline schedule 'zero_bubble' computes weight gradients in a second autograd pass, "
+                             "after fsdp has freed the gathered parameters and reduced the first; use "
+                             "data_parallel 'ddp', 'zero1' or 'zero2' with it, or schedule '1f1b' or "
+                             "'interleaved_1f1b' with fsdp.")
         self.stages, self.microbatches, self.schedule = stages, microbatches, schedule
+        self.virtual_stages = virtual_stages
         self.split, self.data_parallel, self.bucket_mb = split, data_parallel, bucket_mb
         self.measure_activations = measure_activations
         self.inner: Strategy = get_strategy("single")  # replaced by ``data_parallel`` when there are replicas
@@ -133,15 +162,30 @@ class PipelineStrategy(Strategy, RunsSchedule):
         if env.world_size % stages:
             raise ValueError(f"pipeline: world_size={env.world_size} is not a multiple of stages={stages}; "
                              f"use a world size of stages x replicas.")
+        v = self.virtual_stages
+        if v > 1 and stages < 2:
+            raise ValueError(f"pipeline virtual_stages={v} interleaves chunks across ranks; it needs stages >= 2.")
+        if self.schedule == "interleaved_1f1b" and self.microbatches % stages:
+            raise ValueError(f"pipeline schedule 'interleaved_1f1b' runs micro-batches in groups of stages={stages}: "
+                             f"set microbatches to a multiple of {stages} (got {self.microbatches}).")
         self.stages, self.replicas = stages, env.world_size // stages
         self.stage, self.replica = env.rank % stages, env.rank // stages
         dp = [self.comm.subgroup([d * stages + s for d in range(self.replicas)]) for s in range(stages)]
         pipes = [self.comm.subgroup([d * stages + s for s in range(stages)]) for d in range(self.replicas)]
         self.pipe = pipes[self.replica]
+        # one group per boundary between consecutive chunks k and k + 1, per replica, every rank creating each
+        self._boundaries: list[Comm] = []
+        for d in range(self.replicas):
+            for k in range(stages * v - 1):
+                pair = [d * stages + rank_and_chunk(k, stages)[0], d * stages + rank_and_chunk(k + 1, stages)[0]]
+                group = self.comm.subgroup(pair, fresh=True)
+                if d == self.replica:
+                    self._boundaries.append(group)
         inner_env = Environment(env.device, self.replica, self.replica, self.replicas, env.master_addr,
                                 env.master_port, env.timeout_s)
         if self.replicas > 1:
-            self.inner = get_strategy(self.data_parallel, bucket_mb=self.bucket_mb)
+            options = {"prefetch": v == 1} if self.data_parallel == "fsdp" else {"bucket_mb": self.bucket_mb}
+            self.inner = get_strategy(self.data_parallel, **options)  # fsdp: chunks run in turn, no one unit order
         self.inner.setup_environment(inner_env, comm=dp[self.stage])
 
     @property
@@ -171,61 +215,73 @@ class PipelineStrategy(Strategy, RunsSchedule):
         if optimizer is not None:
             self._group_names = st.group_names_of(optimizer, names)
         self._shapes, _ = self._whole_state(skip=set())
-        counts = self._split([sum(p.numel() for p in layer.parameters()) for layer in layers])
-        self.stage_sizes = counts  # layers per stage
-        bounds = [sum(counts[:s]) for s in range(self.stages + 1)]
-        stage_of: dict[nn.Parameter, set[int]] = {}
-        for s in range(self.stages):
-            for layer in layers[bounds[s] : bounds[s + 1]]:
-                for p in layer.parameters():
-                    stage_of.setdefault(p, set()).add(s)
-        outside = [n for p, n in names.items() if p not in stage_of]
+        p, v = self.stages, self.virtual_stages
+        counts = self._split([sum(q.numel() for q in layer.parameters()) for layer in layers])
+        self.stage_sizes = counts  # layers per chunk, in model order (per stage when virtual_stages is 1)
+        bounds = [sum(counts[:k]) for k in range(p * v + 1)]
+        rank_of: dict[nn.Parameter, set[int]] = {}  # the pipeline ranks holding each parameter
+        for k in range(p * v):
+            for layer in layers[bounds[k] : bounds[k + 1]]:
+                for q in layer.parameters():
+                    rank_of.setdefault(q, set()).add(rank_and_chunk(k, p)[0])
+        outside = [n for q, n in names.items() if q not in rank_of]
         if outside:
             raise ValueError(
                 f"pipeline: parameters outside every layer of pipeline_layers() would never train: "
                 f"{', '.join(outside[:5])}{' ...' if len(outside) > 5 else ''}. Include the modules holding them "
                 "in pipeline_layers(), or freeze them (requires_grad=False) and keep them out of the optimizer."
             )
-        mine = [p for p, stages in stage_of.items() if self.stage in stages]
+        mine = [q for q, ranks in rank_of.items() if self.stage in ranks]
         self._tied = []
-        for p in names:  # every rank creates every group, in one order
-            holders = sorted(stage_of.get(p, ()))
+        for q in names:  # every rank creates every group, in one order
+            holders = sorted(rank_of.get(q, ()))
             if len(holders) < 2:
                 continue
-            groups = [self.comm.subgroup([d * self.stages + s for s in holders]) for d in range(self.replicas)]
+            groups = [self.comm.subgroup([d * p + s for s in holders]) for d in range(self.replicas)]
             if self.stage in holders:
                 group = groups[self.replica]
-                group.broadcast(p.data, src=0)  # start equal: the first stage holding it decides
-                self._tied.append((p, group, self.stage == holders[0]))
-        if self._tied and self.replicas > 1 and self.data_parallel == "zero1":
-            raise ValueError("pipeline: parameters shared across stages (e.g. a tied embedding and LM head) need "
-                             "data_parallel='ddp'; zero1 shards their gradients before they can be summed.")
+                group.broadcast(q.data, src=0)  # start equal: the first stage holding it decides
+                self._tied.append((q, group, self.stage == holders[0]))
+        if self._tied and self.replicas > 1 and self.data_parallel != "ddp":
+            raise ValueError(f"pipeline: parameters shared across stages (e.g. a tied embedding and LM head) need "
+                             f"data_parallel='ddp'; {self.data_parallel} shards their gradients before they can be "
+                             "summed.")
         with torch.no_grad():
-            for p in names:
-                if p not in stage_of or self.stage not in stage_of[p]:
-                    p.data = torch.empty(0, dtype=p.dtype, device=self.device)  # another stage's: never run here
-        self._stage = _Stage(layers[bounds[self.stage] : bounds[self.stage + 1]])
+            for q in names:
+                if q not in rank_of or self.stage not in rank_of[q]:
+                    q.data = torch.empty(0, dtype=q.dtype, device=self.device)  # another stage's: never run here
+        ks = [virtual_stage(self.stage, c, p) for c in range(v)]
+        self._stage = _Chunks([layers[bounds[k] : bounds[k + 1]] for k in ks])
+        self._virtual = ks  # chunk c is virtual stage ks[c]
         buffer_names = {id(b): n for n, b in st.persistent_buffers(module)}
-        self._to_global = {n: names[p] for n, p in self._stage.named_parameters()}
+        self._to_global = {n: names[q] for n, q in self._stage.named_parameters()}
         self._to_global |= {n: buffer_names[id(b)] for n, b in st.persistent_buffers(self._stage)}
         if optimizer is not None:
             kept = set(mine)
             for group in optimizer.param_groups:
-                group["params"] = [p for p in group["params"] if p in kept]
+                group["params"] = [q for q in group["params"] if q in kept]
         self.inner.setup(self._stage, optimizer, precision)
         self._actions = {}
-        prev, nxt = self.stage - 1, self.stage + 1
-        self._from_prev = Channel(self.pipe, prev, self.device) if self.stage else None
-        self._to_next = Channel(self.pipe, nxt, self.device) if not self.last else None
-        self._grads_from_next = Channel(self.pipe, nxt, self.device) if not self.last else None
-        self._grads_to_prev = Channel(self.pipe, prev, self.device) if self.stage else None
+        self._params = [[q for q in chunk.parameters() if q.requires_grad] for chunk in self._stage.chunks]
+        # per chunk: activations in from the previous chunk and their gradients back to it; out to the next
+        # chunk and its gradients back from it, each on its boundary's group (peer: the other end of the pair)
+        last = p * v - 1
+        self._recv_f = [Channel(self._boundaries[k - 1], 0, self.device) if k else None for k in ks]
+        self._send_b = [Channel(self._boundaries[k - 1], 0, self.device) if k else None for k in ks]
+        self._send_f = [Channel(self._boundaries[k], 1, self.device) if k < last else None for k in ks]
+        self._recv_b = [Channel(self._boundaries[k], 1, self.device) if k < last else None for k in ks]
 
     def _split(self, sizes: list[int]) -> list[int]:
+        chunks = self.stages * self.virtual_stages
         if self.split is None:
-            return partition(sizes, self.stages)
-        if len(self.split) != self.stages or sum(self.split) != len(sizes) or min(self.split) < 1:
-            raise ValueError(f"pipeline split={self.split} must give each of the {self.stages} stages at least one "
-                             f"layer and add up to the module's {len(sizes)} pipeline_layers().")
+            if len(sizes) < chunks:
+                raise ValueError(f"pipeline: {len(sizes)} pipeline_layers() cannot fill {self.stages} stages x "
+                                 f"{self.virtual_stages} virtual stages = {chunks} chunks of at least one layer.")
+            return partition(sizes, chunks)
+        if len(self.split) != chunks or sum(self.split) != len(sizes) or min(self.split) < 1:
+            raise ValueError(f"pipeline split={self.split} must give each of the {chunks} chunks (stages x "
+                             f"virtual_stages) at least one layer and add up to the module's {len(sizes)} "
+                             "pipeline_layers().")
         return list(self.split)
 
     # -- the schedule --------------------------------------------------------------------------------
@@ -235,7 +291,12 @@ class PipelineStrategy(Strategy, RunsSchedule):
 
     def _schedule_for(self, microbatches: int) -> list:
         if microbatches not in self._actions:
-            self._actions[microbatches] = SCHEDULES[self.schedule](self.stages, microbatches)[self.stage]
+            p, v = self.stages, self.virtual_stages
+            if self.schedule == "interleaved_1f1b" and microbatches % p:  # a short batch (an epoch's last)
+                schedule = gpipe(p, microbatches, v)
+            else:
+                schedule = SCHEDULES[self.schedule](p, microbatches, v)
+            self._actions[microbatches] = schedule[self.stage]
         return self._actions[microbatches]
 
     def _input(self, module: nn.Module, chunk: Any) -> Any:
@@ -254,54 +315,81 @@ class PipelineStrategy(Strategy, RunsSchedule):
     def run_schedule(self, module: nn.Module, batch: Any, weight: float) -> tuple[Tensor, Tensor | float]:
         chunks = self._chunks(batch)
         keys = [_signature(c) for c in chunks]
-        last_mb = len(chunks) - 1
+        actions = self._schedule_for(len(chunks))
+        last_k = self.stages * self.virtual_stages - 1
         # the batch's mean loss, for progress bars and loggers on every stage: posted now, sent by the
         # last stage as soon as its last forward is done, complete by the time this returns
         mean = torch.empty(1, device=self.device)
         broadcast = None if self.last else self.pipe.broadcast(mean, src=self.stages - 1, async_op=True)
-        if self._from_prev is not None:
-            self._from_prev.post(keys[0], 0)
-        inputs: dict[int, Tensor] = {}
-        outputs: dict[int, Tensor] = {}
-        grads: dict[int, Tensor] = {}
-        held: dict[int, int] = {}
+        arrivals: dict[int, list[int]] = {}  # per chunk, the micro-batches whose input arrives, in order
+        for a in actions:
+            if a.kind == "RECV_F":
+                arrivals.setdefault(a.chunk, []).append(a.microbatch)
+        for c, order in arrivals.items():  # receives posted ahead: the first now, each next one on arrival
+            self._recv_f[c].post(keys[order[0]], order[0])  # type: ignore[union-attr]
+        inputs: dict[tuple[int, int], Tensor] = {}  # keyed by (micro-batch, chunk)
+        outputs: dict[tuple[int, int], Tensor] = {}
+        grads: dict[tuple[int, int], Tensor] = {}
+        input_grads: dict[tuple[int, int], Tensor | None] = {}
+        weights: dict[tuple[int, int], WeightGradients] = {}
+        held: dict[tuple[int, int], int] = {}
+        split = self.schedule == "zero_bubble"
         sends: list[Handle] = []
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         items: Tensor | float = 0.0
         live = peak = peak_bytes = live_bytes = 0
         with self.inner.no_sync():
-            for kind, mb in self._schedule_for(len(chunks)):
+            for a in actions:
+                kind, mb, c = a.kind, a.microbatch, a.chunk
+                key, k = (mb, c), self._virtual[c]
                 if kind == "RECV_F":
-                    inputs[mb] = self._from_prev.recv(keys[mb], mb).requires_grad_(True)  # type: ignore[union-attr]
-                    if mb < last_mb:
-                        self._from_prev.post(keys[mb + 1], mb + 1)  # type: ignore[union-attr]
+                    inputs[key] = self._recv_f[c].recv(keys[mb], mb).requires_grad_(True)  # type: ignore[union-attr]
+                    order = arrivals[c]
+                    at = order.index(mb)
+                    if at + 1 < len(order):
+                        self._recv_f[c].post(keys[order[at + 1]], order[at + 1])  # type: ignore[union-attr]
                 elif kind == "F":
-                    x = inputs[mb] if self.stage else self._input(module, chunks[mb])
+                    x = inputs[key] if k else self._input(module, chunks[mb])
                     meter = ActivationMeter(self._stage.parameters()) if self.measure_activations else None
-                    with self.precision.forward_context(self.device), meter or contextlib.nullcontext():
-                        out = self._stage(x)
-                        if self.last:
+                    with self.inner.forward_context(), meter or contextlib.nullcontext():
+                        out = self._stage.chunks[c](x)
+                        if k == last_k:
                             loss, n = self._items(module.pipeline_loss(out, chunks[mb]), chunks[mb])
                             loss_sum += loss.detach().double() * n
                             items = items + n
                             out = loss * (n * weight)
-                            if mb == last_mb:
+                            if mb == len(chunks) - 1:
                                 mean.copy_((loss_sum / max(float(items), 1.0)).float().reshape(1))
                                 broadcast = self.pipe.broadcast(mean, src=self.stages - 1, async_op=True)
-                    outputs[mb] = out
-                    held[mb] = meter.bytes if meter else 0
-                    live, live_bytes = live + 1, live_bytes + held[mb]
+                    outputs[key] = out
+                    held[key] = meter.bytes if meter else 0
+                    live, live_bytes = live + 1, live_bytes + held[key]
                     peak, peak_bytes = max(peak, live), max(peak_bytes, live_bytes)
                 elif kind == "SEND_F":
-                    sends += self._to_next.send(outputs[mb], keys[mb])  # type: ignore[union-attr]
+                    sends += self._send_f[c].send(outputs[key], keys[mb])  # type: ignore[union-attr]
                 elif kind == "RECV_B":
-                    grads[mb] = self._grads_from_next.recv(keys[mb], mb)  # type: ignore[union-attr]
+                    grads[key] = self._recv_b[c].recv(keys[mb], mb)  # type: ignore[union-attr]
                 elif kind == "B":
-                    out = outputs.pop(mb)
-                    out.backward(grads.pop(mb, None))
-                    live, live_bytes = live - 1, live_bytes - held.pop(mb)
-                else:  # SEND_B
-                    sends += self._grads_to_prev.send(inputs.pop(mb).grad, keys[mb])  # type: ignore[union-attr]
+                    out, grad = outputs.pop(key), grads.pop(key, None)
+                    if split and k:  # the input's gradient now, the weights' at W
+                        input_grads[key], weights[key] = input_gradient(out, grad, inputs.pop(key), self._params[c])
+                        continue
+                    self.inner.backward(out, grad)
+                    if k:
+                        input_grads[key] = inputs.pop(key).grad
+                    live, live_bytes = live - 1, live_bytes - held.pop(key)
+                elif kind == "SEND_B":
+                    grad = input_grads.pop(key)
+                    if grad is None:  # the chunk's output does not depend on its input
+                        shape, dtype = self._recv_f[c].shapes[keys[mb]]  # type: ignore[union-attr]
+                        grad = torch.zeros(shape, dtype=dtype, device=self.device)
+                    sends += self._send_b[c].send(grad, keys[mb])  # type: ignore[union-attr]
+                elif kind == "W":
+                    pending = weights.pop(key, None)
+                    if pending is not None:  # else B ran the whole backward (the first chunk: no input gradient)
+                        with self.inner.backward_pass():
+                            pending.run()
+                        live, live_bytes = live - 1, live_bytes - held.pop(key)
         for handle in sends:
             handle.wait()
         self.activation_peak = {"micro_batches": peak, "bytes": peak_bytes}
@@ -321,26 +409,28 @@ class PipelineStrategy(Strategy, RunsSchedule):
         step = getattr(module, "pipeline_validation_step", None)
         loss_name = "test_loss" if fn == "test" else "val_loss"
         chunks = self._chunks(batch)
+        last_k = self.stages * self.virtual_stages - 1
         totals: dict[str, tuple[Tensor, float]] = {}
         sends: list[Handle] = []
-        with torch.no_grad(), self.precision.forward_context(self.device):
-            for mb, chunk in enumerate(chunks):
-                key = ("eval", _signature(chunk))
-                x = self._from_prev.recv(key, -1) if self._from_prev is not None else self._input(module, chunk)
-                out = self._stage(x)
-                if self._to_next is not None:
-                    sends += self._to_next.send(out, key)
-                    continue
-                if callable(step):
-                    n = _first_tensor(chunk).shape[0]
-                    metrics = step(out, chunk, batch_idx * self.microbatches + mb)
-                else:
-                    loss, n = self._items(module.pipeline_loss(out, chunk), chunk)
-                    metrics = {loss_name: loss}
-                for name, value in metrics.items():
-                    total, weight = totals.get(name, (torch.zeros((), dtype=torch.float64, device="cpu"), 0.0))
-                    value = torch.as_tensor(value, dtype=torch.float64, device="cpu").detach()
-                    totals[name] = (total + value * float(n), weight + float(n))
+        with torch.no_grad(), self.inner.forward_context():
+            for c, k in enumerate(self._virtual):  # every micro-batch through chunk 0, then chunk 1, ...
+                for mb, chunk in enumerate(chunks):
+                    key = ("eval", _signature(chunk))
+                    x = self._recv_f[c].recv(key, -1) if k else self._input(module, chunk)  # type: ignore[union-attr]
+                    out = self._stage.chunks[c](x)
+                    if k < last_k:
+                        sends += self._send_f[c].send(out, key)  # type: ignore[union-attr]
+                        continue
+                    if callable(step):
+                        n = _first_tensor(chunk).shape[0]
+                        metrics = step(out, chunk, batch_idx * self.microbatches + mb)
+                    else:
+                        loss, n = self._items(module.pipeline_loss(out, chunk), chunk)
+                        metrics = {loss_name: loss}
+                    for name, value in metrics.items():
+                        total, weight = totals.get(name, (torch.zeros((), dtype=torch.float64, device="cpu"), 0.0))
+                        value = torch.as_tensor(value, dtype=torch.float64, device="cpu").detach()
+                        totals[name] = (total + value * float(n), weight + float(n))
         for handle in sends:
             handle.wait()
         result = {k: total / max(weight, 1.0) for k, (total, weight) in totals.items()} if self.last else None
@@ -357,7 +447,7 @@ class PipelineStrategy(Strategy, RunsSchedule):
         return self.inner.gradients()
 
     def grad_norm(self, norm_type: float = 2.0) -> Tensor:
-        if self.replicas > 1 and self.data_parallel == "zero1":
+        if self.replicas > 1 and self.data_parallel != "ddp":  # sharded gradients
             local = self.inner.grad_norm(norm_type)
         else:  # whole gradients, replicated across replicas; a shared parameter counts once
             skip = {id(p) for p, _, counted in self._tied if not counted}
@@ -383,7 +473,8 @@ class PipelineStrategy(Strategy, RunsSchedule):
         self.inner.zero_grad()
 
     def comms(self) -> list[Comm]:
-        unique = {id(c): c for c in [self.comm, self.pipe, *self.inner.comms(), *(c for _, c, _ in self._tied)]}
+        unique = {id(c): c for c in [self.comm, self.pipe, *self._boundaries, *self.inner.comms(),
+                                     *(c for _, c, _ in self._tied)]}
         return list(unique.values())
 
     def forward_context(self) -> contextlib.AbstractContextManager:

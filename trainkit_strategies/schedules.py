@@ -104,12 +104,14 @@ def _one_f_one_b_order(warmup: int, total: int) -> list[tuple[str, int]]:
 
 
 def gpipe(stages: int, microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
-    """All forwards, then all backwards (in the same micro-batch order)."""
+    """All forwards, then all backwards (in the same micro-batch order); with several chunks per rank, chunk by
+    chunk (every micro-batch through chunk 0, then chunk 1, ...; backwards from the last chunk), which works for
+    any number of micro-batches."""
     _check(stages, microbatches, virtual_stages)
-    _one_chunk("gpipe", virtual_stages)
+    v = virtual_stages
     return [
-        [a for mb in range(microbatches) for a in _forward(s, stages, mb)]
-        + [a for mb in range(microbatches) for a in _backward(s, stages, mb)]
+        [a for c in range(v) for mb in range(microbatches) for a in _forward(s, stages, mb, c, v)]
+        + [a for c in reversed(range(v)) for mb in range(microbatches) for a in _backward(s, stages, mb, c, v)]
         for s in range(stages)
     ]
 

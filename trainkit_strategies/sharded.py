@@ -284,7 +284,8 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
             self._gather(nxt, async_op=True)
 
     # -- gradients -----------------------------------------------------------------------------------
-    def backward(self, loss: Tensor) -> None:
+    @contextlib.contextmanager
+    def backward_pass(self) -> Iterator[None]:
         self._launcher.reset()
         self._end_queued = False
         for unit in self.units:
@@ -292,7 +293,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         self._position["backward"] = 0
         with warnings.catch_warnings():  # the first unit's inputs never require grad; its pre-hook still fires
             warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
-            loss.backward()
+            yield
 
     def _queue_end_backward(self) -> None:
         if not self._end_queued:

@@ -22,7 +22,9 @@ come back. ``ratio`` keeps the first ``1 - ratio`` of each group's shard (by buc
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -319,10 +321,11 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         return group
 
     # -- backward ------------------------------------------------------------------------------------
-    def backward(self, loss: Tensor) -> None:
+    @contextlib.contextmanager
+    def backward_pass(self) -> Iterator[None]:
         self.launcher.reset()
         self.grads.begin_backward()
-        loss.backward()
+        yield
 
     def _on_grad(self, param: Tensor) -> None:
         bucket, index = self._bucket_of[param]

@@ -64,7 +64,7 @@ class Case:
     steps: int = 10
     per_rank_batch: int = 4
     # "regression", "validated" (sync_dist and torchmetrics validation), "masked" (num_items),
-    # "routed" (parameters unused at times), "gpt" (tied embeddings, tokens as items), "batchnorm"
+    # "routed" (parameters unused at times), "gpt" (tied embeddings, tokens as items; "gpt6": 6 blocks), "batchnorm"
     # (BatchNorm statistics, compared across strategies: a single process normalises over the global batch),
     # "loss_validated" (no pipeline_validation_step: pipeline validates with pipeline_loss), "deferred" (built
     # and custom-initialised in configure_model: on the meta device under zero3/fsdp)
@@ -145,14 +145,14 @@ def _module_and_data(case: Case, world_size: int) -> tuple[Any, Any]:
         return DeferredInitNet(), sequence_regression_data(samples)
     if case.model == "batchnorm":
         return BatchNormRegression(), regression_data(samples)
-    if case.model == "gpt":  # tied embeddings; loss weighted by tokens
+    if case.model in ("gpt", "gpt6"):  # tied embeddings; loss weighted by tokens; gpt6: 8 pipeline layers
         # Adam divides each gradient by its own magnitude (plus eps), so an element whose gradient is
         # ~1e-9 turns reduction-order noise of ~1e-8 into a different update. No biases (the key bias's
         # gradient is exactly zero: softmax ignores a shift shared by all keys) and eps=1e-3 keep those
         # elements' updates continuous in the gradient; every strategy is still held to 1e-5/1e-6.
         torch.manual_seed(0)
-        module = DemoGPT(vocab_size=16, block_size=16, n_layer=2, n_head=2, n_embd=32, warmup_steps=2, max_steps=10,
-                         bias=False, adam_eps=1e-3)
+        module = DemoGPT(vocab_size=16, block_size=16, n_layer=6 if case.model == "gpt6" else 2, n_head=2, n_embd=32,
+                         warmup_steps=2, max_steps=10, bias=False, adam_eps=1e-3)
         return module, TokenWindows(MarkovChain(16, 0.5, seed=3).sample(samples, 17, seed=4))
     return (ValidatedRegression() if case.model == "validated" else Regression()), regression_data(samples)
 
@@ -162,7 +162,9 @@ def run_case(case: Case, world_size: int, per_rank_batch: int, accelerator: str)
     module, data = _module_and_data(case, world_size)
     probe = Probe(case.record_comm, case.init_scale)
     strategy = get_strategy(case.strategy, **case.options)
-    val = DataLoader(regression_data(13, seed=5), batch_size=per_rank_batch) if case.validate else None
+    val_data = TokenWindows(MarkovChain(16, 0.5, seed=3).sample(13, 17, seed=5)) if case.model in ("gpt", "gpt6") \
+        else regression_data(13, seed=5)
+    val = DataLoader(val_data, batch_size=per_rank_batch) if case.validate else None
     trainer = Trainer(
         accelerator=accelerator, activation_checkpointing=[Block] if case.checkpointing else None,
         val_check_interval=5 if case.validate else None,

@@ -1,4 +1,5 @@
-"""Pipeline parallelism (GPipe and 1F1B; alone and with data parallelism) against one process."""
+"""Pipeline parallelism (GPipe, 1F1B, interleaved 1F1B, zero-bubble; alone and with data parallelism) against one
+process."""
 
 from __future__ import annotations
 
@@ -27,8 +28,31 @@ def _cases(world: int) -> list[Case]:
         Case("gpipe-activations", "pipeline", {"microbatches": 8, "measure_activations": True, "schedule": "gpipe"},
              per_rank_batch=8, steps=2),
     ]
+    # interleaved 1F1B (2 chunks per rank: the GPT's 8 layers at 4 stages) and zero-bubble (B and W split)
+    deep = "gpt" if world == 2 else "gpt6"
+    interleaved = {"microbatches": 4, "schedule": "interleaved_1f1b", "virtual_stages": 2}
+    zb = {"microbatches": 4, "schedule": "zero_bubble"}
+    cases += [
+        Case("interleaved-acc2", "pipeline", interleaved, model=deep, accumulate=2),
+        Case("interleaved-clip-gpt-tied", "pipeline", interleaved, model=deep, clip=0.05, per_rank_batch=8),
+        Case("interleaved-short-batch", "pipeline", {**interleaved, "microbatches": 8}, model=deep, per_rank_batch=5),
+        Case("interleaved-validate", "pipeline", interleaved, model=deep, validate=True, per_rank_batch=8),
+        Case("zb-acc2", "pipeline", zb, accumulate=2),
+        Case("zb-num_items-clip", "pipeline", zb, model="masked", accumulate=2, clip=0.05),
+        Case("zb-gpt-tied-clip", "pipeline", zb, model="gpt", clip=0.05, per_rank_batch=8),
+        Case("zb-bf16", "pipeline", zb, precision="bf16-mixed"),
+        Case("zb-activations", "pipeline", {**zb, "microbatches": 8, "measure_activations": True}, per_rank_batch=8,
+             steps=2),
+    ]
     if world == 4:  # 2 stages x 2 replicas
         cases += [
+            Case("2x2-zero2-acc2", "pipeline", {"stages": 2, "microbatches": 4, "data_parallel": "zero2"},
+                 accumulate=2),
+            Case("2x2-zero2-zb-clip", "pipeline", {"stages": 2, "data_parallel": "zero2", **zb}, clip=0.05),
+            Case("2x2-fsdp-acc2", "pipeline", {"stages": 2, "microbatches": 4, "data_parallel": "fsdp"},
+                 accumulate=2),
+            Case("2x2-fsdp-interleaved-clip", "pipeline", {"stages": 2, "data_parallel": "fsdp", **interleaved},
+                 clip=0.05),
             Case("2x2-ddp-acc2-gpt", "pipeline", {"stages": 2, "microbatches": 4}, model="gpt", accumulate=2),
             Case("2x2-ddp-clip", "pipeline", {"stages": 2, "microbatches": 4, "schedule": "gpipe"}, clip=0.05),
             Case("2x2-zero1-acc2", "pipeline", {"stages": 2, "microbatches": 4, "data_parallel": "zero1"},
@@ -70,3 +94,14 @@ def test_1f1b_bounds_activations_in_flight(world, request):
         # every micro-batch saves the same bytes for backward, so the peaks scale with the counts
         assert one_f[rank]["bytes"] * 8 == gpipe[rank]["bytes"] * (stages - rank)
     assert gpipe[0]["bytes"] > 0
+
+
+@pytest.mark.parametrize("world", ["two_ranks", "four_ranks"])
+def test_zero_bubble_holds_what_1f1b_holds_on_its_first_stage(world, request):
+    """ZB-H1 keeps a micro-batch's activations until its W: every stage holds ``stages`` micro-batches at most,
+    what 1F1B's first stage holds (Qi et al., 2024, Section 2.1)."""
+    results = request.getfixturevalue(world)
+    stages = 2 if world == "two_ranks" else 4
+    zb, one_f = results["zb-activations"].peaks, results["1f1b-activations"].peaks
+    assert [peak["micro_batches"] for peak in zb[:stages]] == [stages] * stages
+    assert max(peak["micro_batches"] for peak in zb[:stages]) == max(peak["micro_batches"] for peak in one_f[:stages])
