@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainkit.callbacks.base import Callback
 from trainkit.utils import infer_batch_size
@@ -29,7 +30,7 @@ class ThroughputMonitor(Callback):
       ``throughput/mfu``, that over the device's peak, when the peak is known.
 
     Model FLOPs per sample come from the module's ``flops_per_sample`` (a number, or a method returning one),
-    or else are counted once, over the first optimizer step, with ``torch.utils.flop_counter.FlopCounterMode``
+    or else are counted once, over the first optimizer step, with ``torch.utils.flop_counter``'s formulas
     (matrix products, convolutions, attention). Recomputation under activation checkpointing is counted too,
     so the figure is then nearer hardware FLOPs utilisation. Under ``pipeline`` a rank counts its own stage.
 
@@ -60,9 +61,7 @@ class ThroughputMonitor(Callback):
         if self.peak_flops is None:
             self.peak_flops = peak_flops_of(trainer.strategy.device, trainer.precision.working_dtype)
         if self.flops_per_sample is None and self.count_flops:
-            from torch.utils.flop_counter import FlopCounterMode
-
-            self._counter = FlopCounterMode(display=False)  # until the first optimizer step closes
+            self._counter = FlopCount()  # until the first optimizer step closes
             self._counter.__enter__()
 
     def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
@@ -104,7 +103,7 @@ class ThroughputMonitor(Callback):
         if counter is None:
             return 0
         counter.__exit__(None, None, None)
-        return counter.get_total_flops()
+        return counter.total
 
 
 def peak_flops_of(device: torch.device, dtype: torch.dtype) -> float | None:
@@ -116,3 +115,24 @@ def peak_flops_of(device: torch.device, dtype: torch.dtype) -> float | None:
         if model in name:
             return peak if dtype in (torch.bfloat16, torch.float16) else peak / 2
     return None
+
+
+class FlopCount(TorchDispatchMode):
+    """Adds up the FLOPs of the operations ``torch.utils.flop_counter`` has formulas for (matrix products,
+    convolutions, attention), forward and backward, while active. Unlike ``FlopCounterMode`` it tracks no modules:
+    the backward hooks that needs cannot run inside the ``autograd.grad`` calls of a zero-bubble pipeline."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.utils.flop_counter import flop_registry
+
+        self.formulas = flop_registry
+        self.total = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = self.formulas.get(func._overloadpacket)
+        if formula is not None:
+            self.total += formula(*args, **kwargs, out_val=out)
+        return out
