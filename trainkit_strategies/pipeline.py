@@ -24,6 +24,7 @@ embedding and LM head) are kept in sync by summing their gradients across those 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -150,6 +151,7 @@ class PipelineStrategy(Strategy, RunsSchedule):
         self.measure_activations = measure_activations
         self.inner: Strategy = get_strategy("single")  # replaced by ``data_parallel`` when there are replicas
         self.activation_peak = {"micro_batches": 0, "bytes": 0}
+        self.idle = {"wait_s": 0.0, "schedule_s": 0.0}  # the last schedule's time blocked on peers, and its length
         self._tied: list[tuple[nn.Parameter, Comm, bool]] = []  # (param, comm of its stages, counted in norms)
         self._to_global: dict[str, str] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
@@ -338,12 +340,16 @@ class PipelineStrategy(Strategy, RunsSchedule):
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         items: Tensor | float = 0.0
         live = peak = peak_bytes = live_bytes = 0
+        started, waited = time.perf_counter(), 0.0
         with self.inner.no_sync():
             for a in actions:
                 kind, mb, c = a.kind, a.microbatch, a.chunk
                 key, k = (mb, c), self._virtual[c]
+                if kind.startswith("RECV"):
+                    before = time.perf_counter()
                 if kind == "RECV_F":
                     inputs[key] = self._recv_f[c].recv(keys[mb], mb).requires_grad_(True)  # type: ignore[union-attr]
+                    waited += time.perf_counter() - before
                     order = arrivals[c]
                     at = order.index(mb)
                     if at + 1 < len(order):
@@ -369,6 +375,7 @@ class PipelineStrategy(Strategy, RunsSchedule):
                     sends += self._send_f[c].send(outputs[key], keys[mb])  # type: ignore[union-attr]
                 elif kind == "RECV_B":
                     grads[key] = self._recv_b[c].recv(keys[mb], mb)  # type: ignore[union-attr]
+                    waited += time.perf_counter() - before
                 elif kind == "B":
                     out, grad = outputs.pop(key), grads.pop(key, None)
                     if split and k:  # the input's gradient now, the weights' at W
@@ -390,11 +397,14 @@ class PipelineStrategy(Strategy, RunsSchedule):
                         with self.inner.backward_pass():
                             pending.run()
                         live, live_bytes = live - 1, live_bytes - held.pop(key)
+        before = time.perf_counter()
         for handle in sends:
             handle.wait()
         self.activation_peak = {"micro_batches": peak, "bytes": peak_bytes}
         assert broadcast is not None
         broadcast.wait()
+        now = time.perf_counter()
+        self.idle = {"wait_s": waited + now - before, "schedule_s": now - started}
         return mean[0], items
 
     def evaluates(self, module: nn.Module, has_validation_step: bool) -> bool:

@@ -42,3 +42,13 @@ def test_offload_smoke():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "W=2  trainkit zero_offload" in proc.stdout
+
+
+def test_pipeline_schedules_smoke():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pipeline_schedules.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for schedule, reference in (("1f1b", "Schedule1F1B"), ("interleaved_1f1b", "ScheduleInterleaved1F1B"),
+                                ("zero_bubble", "ScheduleInterleavedZeroBubble")):
+        assert any(line.startswith(schedule) and line.endswith(f"vs torch {reference}")
+                   for line in proc.stdout.splitlines()), proc.stdout
