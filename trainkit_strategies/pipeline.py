@@ -176,13 +176,13 @@ class PipelineStrategy(Strategy, RunsSchedule):
         pipes = [self.comm.subgroup([d * stages + s for s in range(stages)]) for d in range(self.replicas)]
         self.pipe = pipes[self.replica]
         # one group per boundary between consecutive chunks k and k + 1, per replica, every rank creating each
-        self._boundaries: list[Comm] = []
+        self.boundaries: list[Comm] = []  # boundaries[k]: between chunks k and k + 1 (p2p traffic, counted here)
         for d in range(self.replicas):
             for k in range(stages * v - 1):
                 pair = [d * stages + rank_and_chunk(k, stages)[0], d * stages + rank_and_chunk(k + 1, stages)[0]]
                 group = self.comm.subgroup(pair, fresh=True)
                 if d == self.replica:
-                    self._boundaries.append(group)
+                    self.boundaries.append(group)
         inner_env = Environment(env.device, self.replica, self.replica, self.replicas, env.master_addr,
                                 env.master_port, env.timeout_s)
         if self.replicas > 1:
@@ -268,10 +268,10 @@ class PipelineStrategy(Strategy, RunsSchedule):
         # per chunk: activations in from the previous chunk and their gradients back to it; out to the next
         # chunk and its gradients back from it, each on its boundary's group (peer: the other end of the pair)
         last = p * v - 1
-        self._recv_f = [Channel(self._boundaries[k - 1], 0, self.device) if k else None for k in ks]
-        self._send_b = [Channel(self._boundaries[k - 1], 0, self.device) if k else None for k in ks]
-        self._send_f = [Channel(self._boundaries[k], 1, self.device) if k < last else None for k in ks]
-        self._recv_b = [Channel(self._boundaries[k], 1, self.device) if k < last else None for k in ks]
+        self._recv_f = [Channel(self.boundaries[k - 1], 0, self.device) if k else None for k in ks]
+        self._send_b = [Channel(self.boundaries[k - 1], 0, self.device) if k else None for k in ks]
+        self._send_f = [Channel(self.boundaries[k], 1, self.device) if k < last else None for k in ks]
+        self._recv_b = [Channel(self.boundaries[k], 1, self.device) if k < last else None for k in ks]
 
     def _split(self, sizes: list[int]) -> list[int]:
         chunks = self.stages * self.virtual_stages
@@ -483,7 +483,7 @@ class PipelineStrategy(Strategy, RunsSchedule):
         self.inner.zero_grad()
 
     def comms(self) -> list[Comm]:
-        unique = {id(c): c for c in [self.comm, self.pipe, *self._boundaries, *self.inner.comms(),
+        unique = {id(c): c for c in [self.comm, self.pipe, *self.boundaries, *self.inner.comms(),
                                      *(c for _, c, _ in self._tied)]}
         return list(unique.values())
 

@@ -196,3 +196,16 @@ def test_schedules_reject_arguments_they_cannot_run():
             SCHEDULES[name](2, 4, 2)
     with pytest.raises(ValueError, match="got 2, 4, 0"):
         interleaved_1f1b(2, 4, 0)
+
+
+def test_the_pipeline_strategy_rejects_what_its_schedules_cannot_run():
+    from trainkit_strategies import get_strategy
+
+    with pytest.raises(ValueError, match="several model chunks per rank run under schedule 'interleaved_1f1b'"):
+        get_strategy("pipeline", schedule="1f1b", virtual_stages=2)
+    with pytest.raises(ValueError, match="'zero_bubble' computes weight gradients in a second autograd pass"):
+        get_strategy("pipeline", schedule="zero_bubble", data_parallel="fsdp")
+    with pytest.raises(ValueError, match="data_parallel must be one of ddp, zero1, zero2, fsdp; got 'zero3'"):
+        get_strategy("pipeline", data_parallel="zero3")
+    for data_parallel in ("ddp", "zero1", "zero2", "fsdp"):
+        assert get_strategy("pipeline", data_parallel=data_parallel).data_parallel == data_parallel
