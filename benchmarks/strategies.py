@@ -8,7 +8,9 @@ them alike; each round's mean step time is one sample and the median over rounds
 ratios against the references.
 
 Scaling efficiency: one rank training its own share (batch 32, no communication) against two ranks
-(batch 32 each): 1.0 means the second rank's data came for free.
+(batch 32 each): 1.0 means the second rank's data came for free. Compressed communication (ddp with
+PowerSGD rank 4, beside torch DDP's PowerSGD comm hook at rank 4; 1-bit Adam under ddp) is timed after
+its warm-up, in its compressed steady state.
 
     python benchmarks/strategies.py                 # reference workload (minutes)
     python benchmarks/strategies.py --smoke         # tiny model, seconds; what CI runs
@@ -30,6 +32,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from trainkit.optim import OneBitAdam
 from trainkit_strategies import Environment, Precision, get_strategy
 from trainkit_strategies.comm import Comm
 
@@ -43,6 +46,8 @@ REPORT = [
     ("trainkit zero_offload", "torch ZeRO (ZeroRedundancyOptimizer+DDP)", "trainkit ddp"),
     ("trainkit fsdp", "torch FSDP2 (fully_shard per block)", "trainkit ddp"),
     ("trainkit zero3", "torch FSDP2 (fully_shard per block)", "trainkit ddp"),
+    ("trainkit ddp powersgd r4", "torch DDP + PowerSGD hook r4", "trainkit ddp"),
+    ("trainkit ddp + 1-bit Adam", "trainkit ddp", None),
     ("trainkit pipeline GPipe", "torch pipelining GPipe", None),
     ("trainkit pipeline 1F1B", "torch pipelining 1F1B", None),
 ]
@@ -56,11 +61,12 @@ def make_model(width: int, hidden: int, blocks: int) -> nn.Module:
 
 
 def trainkit_variant(name: str, options: dict, env: Environment, shape: tuple[int, int, int],
-                     x: torch.Tensor) -> Step:
+                     x: torch.Tensor, optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
+                     **optimizer_options: object) -> Step:
     model = make_model(*shape)
     strategy = get_strategy(name, **options)
     strategy.setup_environment(env)
-    strategy.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4), Precision.from_name("32"))
+    strategy.setup(model, optimizer(model.parameters(), lr=1e-4, **optimizer_options), Precision.from_name("32"))
     scale = 1.0 / strategy.world_size
 
     def step() -> None:
@@ -96,6 +102,18 @@ def torch_ddp_variant(shape: tuple[int, int, int], x: torch.Tensor, zero: bool =
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return plain_step(model, opt, x)
+
+
+def torch_powersgd_variant(shape: tuple[int, int, int], x: torch.Tensor, rank: int) -> Step:
+    """torch DDP with its PowerSGD comm hook (compressing from the first step, warm-start, error feedback)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(make_model(*shape))
+    state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2,
+                                   min_compression_rate=1, use_error_feedback=True, warm_start=True)
+    model.register_comm_hook(state, powersgd.powerSGD_hook)
+    return plain_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4), x)
 
 
 def torch_fsdp2_variant(shape: tuple[int, int, int], x: torch.Tensor) -> Step:
@@ -184,6 +202,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
         "torch FSDP2 (fully_shard per block)": torch_fsdp2_variant(shape, x),
     }
     variants |= {f"trainkit {name}": trainkit_variant(name, {}, env, shape, x) for name in TRAINKIT}
+    variants["torch DDP + PowerSGD hook r4"] = torch_powersgd_variant(shape, x, rank=4)
+    variants["trainkit ddp powersgd r4"] = trainkit_variant(
+        "ddp", {"compression": "powersgd", "powersgd_rank": 4, "powersgd_warmup_steps": 0}, env, shape, x)
+    variants["trainkit ddp + 1-bit Adam"] = trainkit_variant("ddp", {}, env, shape, x, OneBitAdam, freeze_step=1)
     microbatches = 2 if args.smoke else 4
     for schedule, label in (("gpipe", "GPipe"), ("1f1b", "1F1B")):  # one pipeline of 2 stages: the same batch
         variants[f"trainkit pipeline {label}"] = trainkit_pipeline_variant(schedule, env, shape, x, microbatches)
@@ -238,7 +260,7 @@ def main() -> None:
           f"x {args.steps} steps")
     width = max(len(n) for n in medians) + 2
     for name in ("torch DDP", "torch ZeRO (ZeroRedundancyOptimizer+DDP)", "torch FSDP2 (fully_shard per block)",
-                 "torch pipelining GPipe", "torch pipelining 1F1B"):
+                 "torch DDP + PowerSGD hook r4", "torch pipelining GPipe", "torch pipelining 1F1B"):
         print(f"{name:<{width}}{medians[name] * 1e3:>9.1f} ms")
     for name, ref, second in REPORT:
         line = f"{name:<{width}}{medians[name] * 1e3:>9.1f} ms   {medians[name] / medians[ref]:.3f}x {ref}"
@@ -247,8 +269,10 @@ def main() -> None:
         print(line)
     share = medians["1 rank, its share"]
     print(f"{'1 rank, its share':<{width}}{share * 1e3:>9.1f} ms")
-    print(f"scaling efficiency (1 rank / 2 ranks): trainkit ddp {share / medians['trainkit ddp']:.3f}, "
-          f"torch DDP {share / medians['torch DDP']:.3f}")
+    efficiency = ", ".join(f"{name} {share / medians[name]:.3f}" for name in (
+        "trainkit ddp", "torch DDP", "trainkit ddp powersgd r4", "torch DDP + PowerSGD hook r4",
+        "trainkit ddp + 1-bit Adam"))
+    print(f"scaling efficiency (1 rank / 2 ranks): {efficiency}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""What configure_optimizers may return, normalised to one optimizer and an optional scheduler."""
+"""What configure_optimizers may return, normalised to one optimizer and an optional scheduler; and trainkit's own
+optimizers (``OneBitAdam``: 1-bit Adam with compressed communication, for the ddp strategy)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ from typing import Any
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+from trainkit_strategies.onebit import OneBitAdam
+
+__all__ = ["OneBitAdam", "OptimizerConfig", "parse_optimizers"]
 
 
 @dataclass

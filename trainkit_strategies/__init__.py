@@ -1,6 +1,6 @@
 """trainkit's distributed strategies, on torch.distributed collectives. Never imports trainkit."""
 
-from trainkit_strategies.base import Environment, RunsSchedule, ShardedInit, Strategy
+from trainkit_strategies.base import Environment, RunsSchedule, SelfReducing, ShardedInit, Strategy
 from trainkit_strategies.memory import ActivationMeter, MemoryReport
 from trainkit_strategies.precision import DynamicLossScaler, Precision
 from trainkit_strategies.registry import available, get_strategy, strategy_class
@@ -13,6 +13,7 @@ __all__ = [
     "MemoryReport",
     "Precision",
     "RunsSchedule",
+    "SelfReducing",
     "ShardedInit",
     "SingleStrategy",
     "Strategy",

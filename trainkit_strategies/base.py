@@ -17,7 +17,9 @@ with ``isinstance(strategy, Capability)`` and never for a concrete strategy clas
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -111,6 +113,7 @@ class Strategy(ABC):
 
     name: ClassVar[str]
     broadcast_buffers = True  # data-parallel strategies overwrite replicas' float buffers with rank 0's
+    accepts_self_reducing: ClassVar[bool] = False  # runs optimizers that average across ranks themselves
 
     def __init__(self) -> None:
         self.env = Environment()
@@ -162,6 +165,7 @@ class Strategy(ABC):
         The optimizer object stays the user's (LR schedulers hold a reference to it); a sharded
         strategy replaces the tensors in each param group and keeps every group's hyperparameters.
         """
+        check_optimizer(self, optimizer)
         self.module, self.optimizer, self.precision = module, optimizer, precision
         if optimizer is not None:
             self._group_names = st.group_names_of(optimizer, st.param_names(module))
@@ -325,7 +329,26 @@ class Strategy(ABC):
         return shapes, holders
 
     def state_pieces(self) -> list[st.Piece]:
-        return st.collect_pieces(self.state_layout())
+        prefix = self._local_prefix()
+        local = [st.Piece(f"{prefix}{key}", tuple(t.shape), t.dtype, 0, t.numel(), t.detach().reshape(-1))
+                 for key, t in self.local_state().items()]
+        return st.collect_pieces(self.state_layout()) + local
+
+    def local_state(self) -> dict[str, Tensor]:
+        """State that differs between ranks and means something only at this world size (the error feedback of
+        compressed communication). Checkpoints keep it under ``local/W<world>/rank<r>/``; a run resumed at
+        another world size starts it afresh."""
+        if isinstance(self.optimizer, SelfReducing):
+            return {f"optimizer/{k}": v for k, v in self.optimizer.local_state().items()}
+        return {}
+
+    def load_local_state(self, state: dict[str, Tensor]) -> None:
+        """Restore ``local_state`` (empty: start it afresh)."""
+        if isinstance(self.optimizer, SelfReducing):
+            self.optimizer.load_local_state({k[10:]: v for k, v in state.items() if k.startswith("optimizer/")})
+
+    def _local_prefix(self) -> str:
+        return f"local/W{self.world_size}/rank{self.rank}/"
 
     def optimizer_groups(self) -> list[dict]:
         """Param groups as names plus hyperparameters (JSON-ready)."""
@@ -340,7 +363,22 @@ class Strategy(ABC):
         st.load_model(layout, reader)
         if groups is not None:
             st.load_optimizer(layout, reader, groups)
+            self._load_local(reader)
         self._after_load()
+
+    def _load_local(self, reader: st.Reader) -> None:
+        prefix = self._local_prefix()
+        state = {}
+        for key in reader.keys():
+            if key.startswith(prefix):
+                shape, _ = reader.info(key)
+                state[key[len(prefix):]] = reader.read(key, 0, math.prod(shape)).view(shape).to(self.device)
+        if not state and any(k.startswith("local/") for k in reader.keys()):
+            warnings.warn(
+                f"The checkpoint holds rank-local state (compression error feedback) for another world size than "
+                f"this run's {self.world_size}; it starts from zero here.", stacklevel=2,
+            )
+        self.load_local_state(state)
 
     def _after_load(self) -> None:
         """Hook for strategies whose working copies derive from loaded masters."""
@@ -383,6 +421,37 @@ def sharded_norm(shards: list[Tensor], norm_type: float, comm: Comm, device: tor
 
 
 # -- capabilities ----------------------------------------------------------------------------------
+class SelfReducing(ABC):
+    """An optimizer that, from some step on, averages across the data-parallel ranks itself (in compressed
+    form), so the strategy leaves each rank's gradients local. Strategies that can run one set
+    ``accepts_self_reducing`` and ``bind`` it to their communicator."""
+
+    @abstractmethod
+    def bind(self, comm: Comm) -> None: ...
+
+    @property
+    @abstractmethod
+    def reduces_gradients(self) -> bool:
+        """The next step averages across ranks itself: the strategy does not all-reduce its gradients."""
+
+    @abstractmethod
+    def local_state(self) -> dict[str, Tensor]:
+        """Per-rank state (error feedback buffers) for checkpoints."""
+
+    @abstractmethod
+    def load_local_state(self, state: dict[str, Tensor]) -> None: ...
+
+
+def check_optimizer(strategy: Strategy, optimizer: Optimizer | None) -> None:
+    """Fail, naming the fix, when ``optimizer`` averages across ranks itself under a strategy that cannot run it."""
+    if isinstance(optimizer, SelfReducing) and not strategy.accepts_self_reducing:
+        raise ValueError(
+            f"{type(optimizer).__name__} averages its momentum across ranks itself (compressed), which the "
+            f"{strategy.name!r} strategy does not support: run it under --trainer.strategy ddp (or single), or use "
+            "torch.optim.AdamW with this strategy."
+        )
+
+
 class ShardedInit(ABC):
     """The strategy can build the model on the meta device and materialise only this rank's shards."""
 

@@ -279,6 +279,31 @@ class Comm:
         for step in range(world - 1):
             yield self._exchange(chunks[(rank - step) % world], chunks[(rank - step - 1) % world], self._tag)
 
+    def all_to_all(self, output: Tensor, input: Tensor, async_op: bool = False) -> Handle:
+        """Chunk j of ``input`` (split into W equal chunks) goes to rank j; ``output``'s chunk i comes from rank i.
+
+        On gloo it runs as W-1 rounds of paired point-to-point exchanges (round s: send to rank r+s, receive
+        from rank r-s), each moving one chunk per rank. Counted: the whole input.
+        """
+        if not self.active:
+            _copy_alone(output, input)
+            return _DONE
+        self._count("all_to_all", input)
+        if self.ring:
+            return self._drive(self._pairwise_all_to_all(output, input), async_op)
+        return self._run(dist.all_to_all_single, output, input, async_op=async_op)
+
+    def _pairwise_all_to_all(self, output: Tensor, input: Tensor) -> Iterator[list[Any]]:
+        world, rank = self.world_size, self.rank
+        sends, recvs = input.view(world, -1), output.view(world, -1)
+        recvs[rank].copy_(sends[rank])
+        self._tag += 1
+        for step in range(1, world):
+            dst, src = (rank + step) % world, (rank - step) % world
+            ops = [dist.P2POp(dist.isend, sends[dst], self.ranks[dst], self.group, self._tag),
+                   dist.P2POp(dist.irecv, recvs[src], self.ranks[src], self.group, self._tag)]
+            yield dist.batch_isend_irecv(ops)
+
     def broadcast(self, tensor: Tensor, src: int = 0, async_op: bool = False) -> Handle:
         """``src`` is a rank within this group."""
         if not self.active:

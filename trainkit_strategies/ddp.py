@@ -10,21 +10,28 @@ and multiplies each once by the window's scale (1/N, item normalisation and loss
 
 Accumulation micro-steps (``no_sync``) only accumulate; nothing is communicated until the window's
 last backward.
+
+Two ways to send fewer bytes, for runs bound by the network: ``compression="powersgd"`` sends each
+bucket's gradient matrices as rank-r factors (``powersgd.py``), and an optimizer that averages across
+ranks itself (``SelfReducing``: 1-bit Adam, ``onebit.py``) makes the buckets stay local once it does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from trainkit_strategies.base import Strategy
+from trainkit_strategies.base import SelfReducing, Strategy
 from trainkit_strategies.comm import Handle
 from trainkit_strategies.flat import OrderedLauncher, pack
+from trainkit_strategies.powersgd import PowerSGD
 from trainkit_strategies.precision import Precision
 
 
@@ -52,15 +59,26 @@ class DDPStrategy(Strategy):
             reduced at the end; a parameter unused on every rank keeps ``grad=None``, as it would in
             one process). Off: such a parameter is reported as an error naming it.
         broadcast_buffers: broadcast rank 0's buffers (e.g. BatchNorm statistics) after every step.
+        compression: "powersgd": send gradient matrices as rank-``powersgd_rank`` factors with error feedback
+            (Vogels et al., 2019) after ``powersgd_warmup_steps`` uncompressed optimizer steps. "none": exact.
+        powersgd_rank: the factors' rank r; a matrix of n x m sends r(n+m) numbers instead of nm.
+        powersgd_warmup_steps: optimizer steps all-reduced uncompressed before compression starts.
     """
 
     name = "ddp"
+    accepts_self_reducing = True
 
     def __init__(self, bucket_mb: float = 25.0, find_unused_parameters: bool = False,
-                 broadcast_buffers: bool = True) -> None:
+                 broadcast_buffers: bool = True, compression: Literal["none", "powersgd"] = "none",
+                 powersgd_rank: int = 1, powersgd_warmup_steps: int = 100) -> None:
         super().__init__()
         if not bucket_mb > 0:
             raise ValueError(f"ddp bucket_mb must be positive; got {bucket_mb}.")
+        if compression not in ("none", "powersgd"):
+            raise ValueError(f"ddp compression must be 'none' or 'powersgd'; got {compression!r}.")
+        self.compression = compression
+        self.compressor = PowerSGD(powersgd_rank, powersgd_warmup_steps) if compression == "powersgd" else None
+        self._local = False  # this window's gradients stay on their rank (a SelfReducing optimizer averages)
         self.bucket_mb = bucket_mb
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
@@ -73,6 +91,13 @@ class DDPStrategy(Strategy):
     # -- setup ---------------------------------------------------------------------------------------
     def setup(self, module: nn.Module, optimizer: Optimizer | None, precision: Precision) -> None:
         super().setup(module, optimizer, precision)
+        if isinstance(optimizer, SelfReducing):
+            if self.compressor is not None:
+                raise ValueError(
+                    f"{type(optimizer).__name__} compresses its own communication; it does not combine with ddp "
+                    "compression='powersgd'. Choose one: drop --trainer.strategy.compression, or use AdamW."
+                )
+            optimizer.bind(self.comm)
         for slot in self._slots.values():
             for handle in slot.hooks:
                 handle.remove()
@@ -99,10 +124,19 @@ class DDPStrategy(Strategy):
                 offset += p.numel()
             self._buckets.append(_Bucket(group, buffer))
         self._launcher = OrderedLauncher([len(g) for g in groups], self._launch)
+        if self.compressor is not None:
+            layouts = []
+            for group in groups:
+                offsets = [0]
+                for p in group[:-1]:
+                    offsets.append(offsets[-1] + p.numel())
+                layouts.append([(o, p.shape) for o, p in zip(offsets, group, strict=True)])
+            self.compressor.build(layouts, self.device)
 
     # -- backward and reduction ----------------------------------------------------------------------
     @contextlib.contextmanager
     def backward_pass(self) -> Iterator[None]:
+        self._local = isinstance(self.optimizer, SelfReducing) and self.optimizer.reduces_gradients
         if self._syncing:
             self._launcher.reset()
         yield
@@ -118,7 +152,16 @@ class DDPStrategy(Strategy):
 
     def _launch(self, index: int) -> None:
         bucket = self._buckets[index]
+        if self._local:
+            return
+        if self._compressing:
+            self.compressor.launch(index, bucket.buffer, self.comm)
+            return
         bucket.handle = self.comm.all_reduce(bucket.buffer, async_op=True)
+
+    @property
+    def _compressing(self) -> bool:
+        return self.compressor is not None and self.compressor.active and self.comm.active
 
     def reduce_gradients(self, scale: float | Tensor) -> None:
         unused = [p for p, s in self._slots.items() if not s.used]
@@ -137,6 +180,15 @@ class DDPStrategy(Strategy):
             globally_unused = [p for p, u in zip(self._slots, used.tolist(), strict=True) if u == 0]
         elif self.find_unused_parameters:
             globally_unused = unused
+        if self._local:
+            scale = scale * self.world_size  # each rank's own estimate of the mean; the optimizer averages
+        elif self._compressing:
+            for index, bucket in enumerate(self._buckets):
+                self.compressor.exchange_q(index, bucket.buffer, self.comm)
+            for index, bucket in enumerate(self._buckets):
+                self.compressor.decompress(index, bucket.buffer)
+        if self.compressor is not None:
+            self.compressor.steps += 1
         apply_scale = not (isinstance(scale, float | int) and scale == 1.0)
         for bucket in self._buckets:
             if bucket.handle is not None:
@@ -151,9 +203,38 @@ class DDPStrategy(Strategy):
             p.grad = None
             self._views_detached = True
 
+    def grad_norm(self, norm_type: float = 2.0) -> Tensor:
+        """While gradients stay local (a SelfReducing optimizer's compressed phase): the root mean (p-th power
+        mean) over ranks of each rank's gradient norm, the same on every rank, so fp16 overflow skips and
+        clipping decide alike everywhere."""
+        norm = super().grad_norm(norm_type)
+        if not (self._local and self.comm.active):
+            return norm
+        if norm_type == float("inf"):
+            self.comm.all_reduce(norm, "max")
+            return norm
+        powered = norm.pow(norm_type)
+        self.comm.all_reduce(powered)
+        return (powered / self.world_size).pow(1.0 / norm_type)
+
     def optimizer_step(self) -> None:
         super().optimizer_step()
         self.sync_buffers()
+
+    def local_state(self) -> dict[str, Tensor]:
+        state = super().local_state()
+        if self.compressor is not None:
+            state |= {f"powersgd/{k}": v for k, v in self.compressor.state().items()}
+        return state
+
+    def load_local_state(self, state: dict[str, Tensor]) -> None:
+        super().load_local_state(state)
+        if self.compressor is None:
+            return
+        mine = {k[9:]: v for k, v in state.items() if k.startswith("powersgd/")}
+        if mine and not self.compressor.load(mine):
+            warnings.warn("The checkpoint's PowerSGD state was saved for another bucket layout (bucket_mb, "
+                          "powersgd_rank or the model changed); compression restarts with its warm-up.", stacklevel=2)
 
     def zero_grad(self) -> None:
         for bucket in self._buckets:

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
-from trainkit_strategies.base import Environment, RunsSchedule, Strategy, _local_norm
+from trainkit_strategies.base import Environment, RunsSchedule, Strategy, _local_norm, check_optimizer
 from trainkit_strategies.channels import Channel
 from trainkit_strategies.comm import Comm, Handle
 from trainkit_strategies.memory import ActivationMeter, MemoryReport
@@ -211,6 +211,7 @@ class PipelineStrategy(Strategy, RunsSchedule):
                 "pipeline_layers() -> the ordered layers whose composition is the model, and "
                 "pipeline_loss(output, batch) -> the loss on the last layer's output. See docs/strategies.md."
             )
+        check_optimizer(self, optimizer)
         self.module, self.optimizer, self.precision = module, optimizer, precision
         layers = list(module.pipeline_layers())
         names = st.param_names(module)

@@ -36,7 +36,7 @@ from torch.autograd import Variable
 from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
-from trainkit_strategies.base import ShardedInit, Strategy
+from trainkit_strategies.base import ShardedInit, Strategy, check_optimizer
 from trainkit_strategies.deferred import InitRecorder, Replayer
 from trainkit_strategies.flat import BucketReducer, FlatBucket, OrderedLauncher
 from trainkit_strategies.master import DeferredGradScale, MasterShards
@@ -116,6 +116,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         self._replayer = Replayer(recorder)
 
     def setup(self, module: nn.Module, optimizer: Optimizer | None, precision: Precision) -> None:
+        check_optimizer(self, optimizer)
         self.module, self.optimizer, self.precision = module, optimizer, precision
         names = st.param_names(module)
         if optimizer is not None:

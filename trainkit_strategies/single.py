@@ -10,6 +10,7 @@ class SingleStrategy(Strategy):
     """Train on one device in one process. The replicated defaults of ``Strategy`` are the algorithm."""
 
     name = "single"
+    accepts_self_reducing = True
 
     def setup_environment(self, env: Environment, comm: Comm | None = None) -> None:
         if env.world_size != 1:

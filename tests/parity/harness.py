@@ -45,6 +45,7 @@ from trainkit import Trainer
 from trainkit.callbacks import Callback
 from trainkit.demo.gpt import Block, DemoGPT
 from trainkit.demo.markov import MarkovChain, TokenWindows
+from trainkit.optim import OneBitAdam
 from trainkit_strategies import get_strategy
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
@@ -73,6 +74,7 @@ class Case:
     validate: bool = False  # validate every 5 steps on 13 samples (uneven across ranks): val_* metrics
     checkpointing: bool = False  # activation checkpointing on the GPT's blocks
     init_scale: float | None = None  # "16-mixed": start the loss scale here (low enough that nothing overflows)
+    onebit: dict[str, Any] | None = None  # train with trainkit.optim.OneBitAdam(**onebit) instead of AdamW
 
     def replicas(self, world_size: int) -> int:
         """Data-parallel replicas: the ranks of one pipeline read the same data."""
@@ -160,6 +162,8 @@ def _module_and_data(case: Case, world_size: int) -> tuple[Any, Any]:
 def run_case(case: Case, world_size: int, per_rank_batch: int, accelerator: str) -> Result:
     """Train ``case`` on this process's rank (world taken from the environment) on ``accelerator``."""
     module, data = _module_and_data(case, world_size)
+    if case.onebit is not None:
+        module.configure_optimizers = lambda: OneBitAdam(module.parameters(), **case.onebit)
     probe = Probe(case.record_comm, case.init_scale)
     strategy = get_strategy(case.strategy, **case.options)
     val_data = TokenWindows(MarkovChain(16, 0.5, seed=3).sample(13, 17, seed=5)) if case.model in ("gpt", "gpt6") \

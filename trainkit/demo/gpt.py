@@ -5,12 +5,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trainkit.module import TrainModule
+from trainkit.optim import OneBitAdam
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,9 @@ class DemoGPT(TrainModule):
         vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias: see GPTConfig.
         lr: peak learning rate. weight_decay: applied to matrices, not to biases/norms/embeddings.
         adam_eps: AdamW's epsilon.
+        optimizer: "adamw", or "onebit_adam" (trainkit.optim.OneBitAdam: AdamW for ``freeze_step`` steps, then
+            frozen variance and 1-bit compressed momentum across ddp ranks).
+        freeze_step: OneBitAdam's warm-up of full AdamW steps.
         warmup_steps: linear warmup. max_steps: length of the cosine decay (to 10% of lr).
     """
 
@@ -151,6 +156,7 @@ class DemoGPT(TrainModule):
         self, vocab_size: int = 16, block_size: int = 64, n_layer: int = 2, n_head: int = 4, n_embd: int = 64,
         dropout: float = 0.0, lr: float = 3e-3, weight_decay: float = 0.1, warmup_steps: int = 50,
         max_steps: int = 2000, bias: bool = True, adam_eps: float = 1e-8,
+        optimizer: Literal["adamw", "onebit_adam"] = "adamw", freeze_step: int = 400,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -209,10 +215,13 @@ class DemoGPT(TrainModule):
     def configure_optimizers(self) -> dict:
         decay = [p for n, p in self.named_parameters() if p.dim() >= 2 and "wte" not in n and "wpe" not in n]
         rest = [p for n, p in self.named_parameters() if not (p.dim() >= 2 and "wte" not in n and "wpe" not in n)]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-            lr=self.hparams.lr, betas=(0.9, 0.95), eps=self.hparams.adam_eps,
-        )
+        groups = [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+        hp = self.hparams
+        if hp.get("optimizer", "adamw") == "onebit_adam":
+            optimizer: torch.optim.Optimizer = OneBitAdam(groups, lr=hp.lr, betas=(0.9, 0.95), eps=hp.adam_eps,
+                                                          freeze_step=hp.freeze_step)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=(0.9, 0.95), eps=hp.adam_eps)
         warmup, total = self.hparams.warmup_steps, max(self.hparams.max_steps, 1)
 
         def schedule(step: int) -> float:
