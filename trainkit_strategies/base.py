@@ -446,9 +446,9 @@ def check_optimizer(strategy: Strategy, optimizer: Optimizer | None) -> None:
     """Fail, naming the fix, when ``optimizer`` averages across ranks itself under a strategy that cannot run it."""
     if isinstance(optimizer, SelfReducing) and not strategy.accepts_self_reducing:
         raise ValueError(
-            f"{type(optimizer).__name__} averages its momentum across ranks itself (compressed), which the "
-            f"{strategy.name!r} strategy does not support: run it under --trainer.strategy ddp (or single), or use "
-            "torch.optim.AdamW with this strategy."
+            f"{type(optimizer).__name__} compresses the ranks' communication itself, which the {strategy.name!r} "
+            "strategy does not support: run it under --trainer.strategy ddp, zero1 or zero2 (zero_offload only with "
+            "offload false), or use torch.optim.AdamW with this strategy."
         )
 
 

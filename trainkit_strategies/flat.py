@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -125,6 +126,12 @@ class OrderedLauncher:
         self.next = len(self.counts)
 
 
+class Codec(Protocol):
+    """A compressed reduce-scatter (``onebit.SignReduceScatter``): launch, then finish once the handle is done."""
+
+    def start(self, comm: Comm, out: Tensor, source: Tensor, key: int) -> tuple[Handle, Callable[[], None]]: ...
+
+
 class BucketReducer:
     """Reduce-scatters gradient buckets into shards, through one reusable bucket buffer.
 
@@ -137,7 +144,9 @@ class BucketReducer:
     def __init__(self, comm: Comm, dtype: torch.dtype, device: torch.device, size: int) -> None:
         self.comm, self.dtype, self.device, self.size = comm, dtype, device, size
         self.buffer: Tensor | None = None
-        self.pending: list[tuple[Handle, Tensor | None, Tensor, Callable[[], None] | None]] = []
+        self.codec: Codec | None = None  # set: reduce-scatter through it (compressed) instead
+        self.pending: list[tuple[Handle, Callable[[], None] | None, Tensor | None, Tensor,
+                                 Callable[[], None] | None]] = []
 
     def fill(self, bucket: FlatBucket) -> Tensor:
         self.finish()
@@ -154,16 +163,22 @@ class BucketReducer:
         return source
 
     def reduce(self, source: Tensor, shard: Tensor, accumulate: bool,
-               on_done: Callable[[], None] | None = None) -> None:
+               on_done: Callable[[], None] | None = None, key: int = 0) -> None:
         """Start reduce-scattering ``source`` into ``shard`` (added to it with ``accumulate``); ``on_done`` runs
-        once the result is in ``shard``."""
+        once the result is in ``shard``. ``key`` names the bucket to a ``codec`` that keeps state per bucket."""
         out = torch.empty_like(shard) if accumulate else shard
-        handle = self.comm.reduce_scatter(out, source, async_op=True)
-        self.pending.append((handle, out if accumulate else None, shard, on_done))
+        after = None
+        if self.codec is not None and self.comm.active:
+            handle, after = self.codec.start(self.comm, out, source, key)
+        else:
+            handle = self.comm.reduce_scatter(out, source, async_op=True)
+        self.pending.append((handle, after, out if accumulate else None, shard, on_done))
 
     def finish(self) -> None:
-        for handle, reduced, shard, on_done in self.pending:
+        for handle, after, reduced, shard, on_done in self.pending:
             handle.wait()
+            if after is not None:
+                after()
             if reduced is not None:
                 shard.add_(reduced)
             if on_done is not None:

@@ -32,33 +32,72 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from trainkit_strategies.base import SelfReducing
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.comm import Comm, Handle
 
-_SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
+# Eight 0/1 bytes read as one little-endian int64, times this constant, carry byte i to bit 63-i and nothing else
+# to bits 56-63 (the partial products land on distinct bits, so nothing carries): the top byte is the packed byte.
+_GATHER_BITS = 0x8040201008040201 - (1 << 64)
+_TABLES: dict[torch.device, Tensor] = {}
+
+
+def _sign_table(device: torch.device) -> Tensor:
+    """Row b: the eight +1/-1 of byte b, most significant bit first."""
+    if device not in _TABLES:
+        bits = (torch.arange(256).unsqueeze(1) >> torch.arange(7, -1, -1)) & 1
+        _TABLES[device] = (bits * 2 - 1).float().to(device)
+    return _TABLES[device]
 
 
 def pack_signs(x: Tensor) -> Tensor:
-    """Bits of ``x >= 0`` (zero counts as +1), 8 per byte, most significant first; ``x.numel() % 8 == 0``."""
-    bits = (x >= 0).to(torch.uint8).view(-1, 8)
-    return (bits << _SHIFTS.to(x.device)).sum(dim=1, dtype=torch.uint8)
+    """Bits of ``x >= 0`` (zero counts as +1), 8 per byte, first element most significant; ``x.numel() % 8 == 0``."""
+    return _pack(x >= 0)
 
 
-def unpack_signs(packed: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """+1/-1 of every bit in ``packed``."""
-    bits = (packed.unsqueeze(1) >> _SHIFTS.to(packed.device)) & 1
-    return bits.view(-1).to(dtype).mul_(2).sub_(1)
+def _pack(positive: Tensor) -> Tensor:
+    words = positive.reshape(-1).view(torch.uint8).view(torch.int64)
+    return ((words * _GATHER_BITS) >> 56).bitwise_and_(255).to(torch.uint8)
 
 
-def compress(x: Tensor, chunks: int) -> tuple[Tensor, Tensor]:
-    """``x`` viewed as ``chunks`` equal rows -> (per-row scale ||row||/sqrt(len), packed signs per row)."""
+def unpack_signs(packed: Tensor, scale: Tensor | float = 1.0, out: Tensor | None = None) -> Tensor:
+    """``scale`` times the +1/-1 of every bit in ``packed`` (one table lookup per byte), into ``out`` if given."""
+    table = _sign_table(packed.device)
+    if not (isinstance(scale, float) and scale == 1.0):
+        table = table * scale
+    index = packed.reshape(-1).int()
+    if out is None:
+        return torch.index_select(table, 0, index).view(-1)
+    torch.index_select(table, 0, index, out=out.view(-1, 8))
+    return out
+
+
+def compress(x: Tensor, chunks: int, error: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``x`` viewed as ``chunks`` equal rows -> (per-row scale ||row||/sqrt(len), packed signs per row). With
+    ``error`` (x's size), write what the signs lose there: ``x - scale * sign(x)``."""
     rows = x.view(chunks, -1)
     scales = torch.linalg.vector_norm(rows, dim=1) / math.sqrt(rows.shape[1])
-    return scales, pack_signs(rows).view(chunks, -1)
+    positive = rows >= 0
+    if error is not None:
+        column = scales.unsqueeze(1)
+        torch.sub(rows, torch.where(positive, column, -column), out=error.view(chunks, -1))
+    return scales, _pack(positive).view(chunks, -1)
 
 
 def decompress(scales: Tensor, signs: Tensor) -> Tensor:
-    """Inverse of ``compress`` up to the signs: rows of ``scale * sign``."""
-    return unpack_signs(signs.reshape(-1)).view(scales.numel(), -1).mul_(scales.unsqueeze(1))
+    """Rows of ``scale * sign``, the inverse of ``compress`` up to the signs."""
+    rows = torch.empty((scales.numel(), signs.shape[-1] * 8), device=signs.device)
+    for row, scale, packed in zip(rows, scales, signs.view(scales.numel(), -1), strict=True):
+        unpack_signs(packed, scale, out=row)
+    return rows
+
+
+def _decompress_sum(scales: Tensor, signs: Tensor, out: Tensor) -> None:
+    """``out`` = the sum over rows of ``scale * sign``, without materialising the rows together."""
+    signs = signs.view(scales.numel(), -1)
+    unpack_signs(signs[0], scales[0], out=out)
+    if scales.numel() > 1:
+        row = torch.empty_like(out)
+        for scale, packed in zip(scales[1:], signs[1:], strict=True):
+            out.add_(unpack_signs(packed, scale, out=row))
 
 
 def _wire(scales: Tensor, signs: Tensor) -> Tensor:
@@ -80,32 +119,76 @@ def compressed_all_reduce(x: Tensor, worker_error: Tensor, server_error: Tensor,
     world = comm.world_size
     if error_feedback:
         x.add_(worker_error)
-    scales, signs = compress(x, world)
-    if error_feedback:
-        torch.sub(x, decompress(scales, signs).view(-1), out=worker_error)
+    scales, signs = compress(x, world, worker_error if error_feedback else None)
     sent = _wire(scales, signs)
     received = torch.empty_like(sent)
     comm.all_to_all(received.view(-1), sent.view(-1))
     their_scales, their_signs = _unwire(received)
-    mine = decompress(their_scales, their_signs).mean(dim=0)
+    mine = torch.empty_like(server_error)
+    _decompress_sum(their_scales / world, their_signs, mine)
     if error_feedback:
         mine.add_(server_error)
-    scale, sign = compress(mine, 1)
-    if error_feedback:
-        torch.sub(mine, decompress(scale, sign).view(-1), out=server_error)
+    scale, sign = compress(mine, 1, server_error if error_feedback else None)
     gathered = torch.empty((world, sent.shape[1]), dtype=torch.uint8, device=x.device)
     comm.all_gather(gathered.view(-1), _wire(scale, sign).view(-1))
     all_scales, all_signs = _unwire(gathered)
-    x.copy_(decompress(all_scales, all_signs).view(-1))
+    for row, one_scale, packed in zip(x.view(world, -1), all_scales, all_signs, strict=True):
+        unpack_signs(packed, one_scale, out=row)
+
+
+class SignReduceScatter:
+    """The reduce-scatter of ZeRO-1/2 in 1-bit form, for 1-bit Adam's compressed phase under a sharded optimizer.
+
+    Under ZeRO a rank holds the momentum only of its own piece, so the momenta cannot be exchanged whole as
+    under ddp. With the variance frozen the momentum is a linear filter of the gradients (§3 of the paper), so
+    compressing what enters it keeps the error-feedback argument: each rank sends every owner its piece of
+    (gradient + worker error) as signs and one scale, keeps what the signs lost, and the owner sums the W
+    decompressed pieces into its gradient piece; its momentum then updates from that sum. There is no server
+    error here because an owner never sends its piece back compressed: the updated parameters travel in ZeRO's
+    all-gather as before. Per bucket, the rank keeps a worker error of the bucket's size (fp32).
+    """
+
+    def __init__(self, error_feedback: bool = True) -> None:
+        self.error_feedback = error_feedback
+        self.errors: dict[int, Tensor] = {}
+
+    def start(self, comm: Comm, out: Tensor, source: Tensor, key: int) -> tuple[Handle, Callable[[], None]]:
+        """Launch the exchange of bucket ``key`` (``source``: its padded gradients) into ``out`` (this rank's
+        piece, summed over ranks); the returned callable decompresses once the handle has been waited."""
+        world = comm.world_size
+        error = None
+        if self.error_feedback:
+            error = self.errors.get(key)
+            if error is None or error.numel() != source.numel():
+                error = self.errors[key] = torch.zeros(source.numel(), device=source.device)
+            x = torch.add(error, source)
+        else:
+            x = source.float()
+        scales, signs = compress(x, world, error)
+        sent = _wire(scales, signs)
+        received = torch.empty_like(sent)
+        handle = comm.all_to_all(received.view(-1), sent.view(-1), async_op=True)
+
+        def finish() -> None:
+            their_scales, their_signs = _unwire(received)
+            if out.dtype == torch.float32:
+                _decompress_sum(their_scales, their_signs, out)
+            else:
+                total = torch.empty(out.numel(), device=out.device)
+                _decompress_sum(their_scales, their_signs, total)
+                out.copy_(total)
+
+        return handle, finish
 
 
 class OneBitAdam(Optimizer, SelfReducing):
     """AdamW for ``freeze_step`` steps, then 1-bit Adam: frozen variance, momentum averaged across data-parallel
     ranks in 1-bit compressed form with error feedback on the worker and the server side.
 
-    Runs under the ``ddp`` strategy (which stops all-reducing gradients once compression starts: the
-    momentum exchange replaces it) and ``single``. Gradient clipping after the freeze uses the root mean
-    square over ranks of each rank's local gradient norm (the averaged gradient is never formed).
+    Runs under ``ddp`` (which stops all-reducing gradients once compression starts: the momentum exchange
+    replaces it; gradient clipping then uses the root mean square over ranks of each rank's local gradient
+    norm, since the averaged gradient is never formed), under ``zero1``/``zero2`` (whose reduce-scatter turns
+    1-bit: ``SignReduceScatter``) and ``single``.
 
     Args:
         params, lr, betas, eps, weight_decay: as torch.optim.AdamW (decoupled weight decay).
@@ -128,6 +211,7 @@ class OneBitAdam(Optimizer, SelfReducing):
         self.freeze_step, self.error_feedback = freeze_step, error_feedback
         self.comm = Comm()
         self._worker_error: Tensor | None = None
+        self._flat: Tensor | None = None  # every momentum, end to end (fp32 ones are views into it)
         self._server_error: Tensor | None = None
 
     # -- SelfReducing ----------------------------------------------------------------------------------
@@ -179,7 +263,7 @@ class OneBitAdam(Optimizer, SelfReducing):
                 torch._foreach_addcmul_([s["exp_avg_sq"] for s in states], grads, grads, value=1 - beta2)
             work.append((group, params, states))
         if compressing and self.comm.active and work:
-            self._average_momenta([s["exp_avg"] for _, _, states in work for s in states])
+            self._average_momenta([s for _, _, states in work for s in states])
         for group, params, states in work:
             step = int(states[0]["step"])
             self._update(group, params, states, step, min(step, self.freeze_step))
@@ -204,19 +288,32 @@ class OneBitAdam(Optimizer, SelfReducing):
         torch._foreach_add_(denoms, eps)
         torch._foreach_addcdiv_(params, [s["exp_avg"] for s in states], denoms, value=-lr / bias1)
 
-    def _average_momenta(self, momenta: list[Tensor]) -> None:
-        """One compressed all-reduce over every momentum, flattened and padded to 8·W elements."""
+    def _average_momenta(self, states: list[dict]) -> None:
+        """One compressed all-reduce over every momentum, as one flat buffer padded to 8·W elements. fp32 momenta
+        become views into that buffer on first use (and again after a checkpoint load replaced them), so the
+        exchange copies nothing; others are copied in and back."""
         world = self.comm.world_size
+        momenta = [s["exp_avg"] for s in states]
         n = sum(m.numel() for m in momenta)
         padded = -(-n // (8 * world)) * 8 * world
-        flat = torch.zeros(padded, dtype=torch.float32, device=momenta[0].device)
-        torch.cat([m.reshape(-1).float() for m in momenta], out=flat[:n])
+        if self._flat is None or self._flat.numel() != padded:
+            self._flat = torch.zeros(padded, dtype=torch.float32, device=momenta[0].device)
+        flat = self._flat
+        copied, offset = [], 0
+        for state, m in zip(states, momenta, strict=True):
+            view = flat[offset : offset + m.numel()]
+            if m.data_ptr() != view.data_ptr():
+                view.copy_(m.reshape(-1))
+                if m.dtype == torch.float32 and m.is_contiguous():
+                    state["exp_avg"] = view.view_as(m)
+                else:
+                    copied.append((m, view))
+            offset += m.numel()
+        flat[n:].zero_()  # padding: nothing of the previous exchange leaks into this one's scales
         if self._worker_error is None or self._worker_error.numel() != padded:
             self._worker_error = torch.zeros_like(flat)
             self._server_error = torch.zeros(padded // world, dtype=torch.float32, device=flat.device)
         assert self._server_error is not None
         compressed_all_reduce(flat, self._worker_error, self._server_error, self.comm, self.error_feedback)
-        offset = 0
-        for m in momenta:
-            m.copy_(flat[offset : offset + m.numel()].view_as(m))
-            offset += m.numel()
+        for m, view in copied:
+            m.copy_(view.view_as(m))

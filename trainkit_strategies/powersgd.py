@@ -8,7 +8,7 @@ previous step's Q, §3):
     M  = local gradient + error                 (error feedback, Algorithm 2)
     P  = M Q                 all-reduce P       launched as soon as backward fills the bucket
     P^ = orthogonalise(P)                       (Gram-Schmidt on the r columns)
-    Q  = M^T P^              all-reduce Q       at the step boundary
+    Q  = M^T P^              all-reduce Q       at the step boundary (kept as Q^T = P^T M: row-major)
     error = M - P^ Q_local^T                    what this rank's gradient lost
     M^ = P^ Q^T                                 the sum over ranks, of rank r
 
@@ -38,7 +38,7 @@ class _Matrix:
     start: int
     rows: int
     cols: int
-    q: Tensor  # (cols, r): warm start, the same on every rank
+    qt: Tensor  # (r, cols): Q transposed (row-major products are several times faster); warm start, same everywhere
     error: Tensor | None = None  # (rows, cols) fp32, this rank's
 
 
@@ -49,7 +49,7 @@ class _Plan:
     matrices: list[_Matrix]
     rest: list[tuple[int, int]]
     p_wire: Tensor  # all P (rows x r each), then the uncompressed ranges
-    q_wire: Tensor  # all Q (cols x r each)
+    q_wire: Tensor  # all Q^T (r x cols each)
     handles: list[Handle] = field(default_factory=list)
 
 
@@ -93,8 +93,8 @@ class PowerSGD:
                 rows = shape[0] if len(shape) >= 2 else numel
                 cols = numel // rows if len(shape) >= 2 else 1
                 if len(shape) >= 2 and self.rank * (rows + cols) < numel:
-                    q = torch.randn(cols, self.rank, generator=generator).to(device)
-                    matrices.append(_Matrix(offset, rows, cols, q))
+                    qt = torch.randn(self.rank, cols, generator=generator).to(device)
+                    matrices.append(_Matrix(offset, rows, cols, qt))
                 else:
                     rest.append((offset, offset + numel))
             p_numel = sum(m.rows * self.rank for m in matrices) + sum(b - a for a, b in rest)
@@ -117,7 +117,8 @@ class PowerSGD:
                 if m.error is None:
                     m.error = torch.zeros(m.rows, m.cols, device=buffer.device)
                 grad.add_(m.error)
-            torch.mm(grad.float(), m.q, out=plan.p_wire[offset : offset + m.rows * self.rank].view(m.rows, self.rank))
+            p = plan.p_wire[offset : offset + m.rows * self.rank].view(m.rows, self.rank)
+            torch.mm(grad.float(), m.qt.T, out=p)
             offset += m.rows * self.rank
         for a, b in plan.rest:
             plan.p_wire[offset : offset + b - a].copy_(buffer[a:b])
@@ -134,11 +135,11 @@ class PowerSGD:
             grad = self._view(buffer, m).float()
             p = plan.p_wire[p_offset : p_offset + m.rows * self.rank].view(m.rows, self.rank)
             orthogonalise(p)
-            q = plan.q_wire[q_offset : q_offset + m.cols * self.rank].view(m.cols, self.rank)
-            torch.mm(grad.T, p, out=q)
+            qt = plan.q_wire[q_offset : q_offset + m.cols * self.rank].view(self.rank, m.cols)
+            torch.mm(p.T, grad, out=qt)
             if self.error_feedback:
                 assert m.error is not None
-                torch.addmm(grad, p, q.T, alpha=-1, out=m.error)
+                torch.addmm(grad, p, qt, alpha=-1, out=m.error)
             p_offset += m.rows * self.rank
             q_offset += m.cols * self.rank
         for a, b in plan.rest:
@@ -155,8 +156,12 @@ class PowerSGD:
         p_offset = q_offset = 0
         for m in plan.matrices:
             p = plan.p_wire[p_offset : p_offset + m.rows * self.rank].view(m.rows, self.rank)
-            m.q.copy_(plan.q_wire[q_offset : q_offset + m.cols * self.rank].view(m.cols, self.rank))
-            self._view(buffer, m).copy_(p @ m.q.T)
+            m.qt.copy_(plan.q_wire[q_offset : q_offset + m.cols * self.rank].view(self.rank, m.cols))
+            view = self._view(buffer, m)
+            if view.dtype == torch.float32:
+                torch.mm(p, m.qt, out=view)
+            else:
+                view.copy_(p @ m.qt)
             p_offset += m.rows * self.rank
             q_offset += m.cols * self.rank
 
@@ -169,7 +174,7 @@ class PowerSGD:
         out = {"steps": torch.tensor([self.steps], dtype=torch.int64)}
         for i, plan in enumerate(self._plans):
             for j, m in enumerate(plan.matrices):
-                out[f"bucket{i}/q{j}"] = m.q
+                out[f"bucket{i}/q{j}"] = m.qt
                 if m.error is not None:
                     out[f"bucket{i}/error{j}"] = m.error
         return out
@@ -179,7 +184,7 @@ class PowerSGD:
         shapes: dict[str, tuple[int, ...]] = {"steps": (1,)}
         for i, plan in enumerate(self._plans):
             for j, m in enumerate(plan.matrices):
-                shapes[f"bucket{i}/q{j}"] = (m.cols, self.rank)
+                shapes[f"bucket{i}/q{j}"] = (self.rank, m.cols)
                 shapes[f"bucket{i}/error{j}"] = (m.rows, m.cols)
         required = {k for k in shapes if "/error" not in k}
         if not required <= state.keys() or any(tuple(v.shape) != shapes.get(k) for k, v in state.items()):
@@ -187,7 +192,7 @@ class PowerSGD:
         self.steps = int(state["steps"][0])
         for i, plan in enumerate(self._plans):
             for j, m in enumerate(plan.matrices):
-                m.q.copy_(state[f"bucket{i}/q{j}"])
+                m.qt.copy_(state[f"bucket{i}/q{j}"])
                 error = state.get(f"bucket{i}/error{j}")
-                m.error = None if error is None else error.to(m.q.device, torch.float32).clone()
+                m.error = None if error is None else error.to(m.qt.device, torch.float32).clone()
         return True

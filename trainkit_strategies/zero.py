@@ -34,10 +34,11 @@ from torch.autograd import Variable
 from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
-from trainkit_strategies.base import Strategy
+from trainkit_strategies.base import SelfReducing, Strategy
 from trainkit_strategies.flat import BucketReducer, FlatBucket, OrderedLauncher, pack
 from trainkit_strategies.master import DeferredGradScale, MasterShards, transfer
 from trainkit_strategies.memory import MemoryReport, host_device
+from trainkit_strategies.onebit import SignReduceScatter
 from trainkit_strategies.precision import Precision
 
 
@@ -114,7 +115,7 @@ class WholeGradients(GradientLayout):
 
     def launch(self, bucket: FlatBucket) -> None:
         source = self.buffers[bucket.group][bucket.start : bucket.start + bucket.padded]
-        self.strategy.reducer.reduce(source, self.piece(bucket), accumulate=False)
+        self.strategy.reducer.reduce(source, self.piece(bucket), accumulate=False, key=bucket.index)
 
     def piece(self, bucket: FlatBucket) -> Tensor:
         lo, hi = bucket.piece_range(self.strategy.rank)
@@ -146,7 +147,8 @@ class PartitionedGradients(GradientLayout):
 
     def launch(self, bucket: FlatBucket) -> None:
         source = self.strategy.reducer.fill(bucket)
-        self.strategy.reducer.reduce(source, self.piece(bucket), accumulate=not self._first_micro_step)
+        self.strategy.reducer.reduce(source, self.piece(bucket), accumulate=not self._first_micro_step,
+                                     key=bucket.index)
 
     def _end_backward(self) -> None:
         """After every backward: reduce what is left (buckets with unused parameters) and wait."""
@@ -265,6 +267,12 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         self.groups: list[_Group] = []  # per optimizer param group
         self._bucket_of: dict[Tensor, tuple[FlatBucket, int]] = {}
         self._hooks: list = []
+        self._signs: SignReduceScatter | None = None  # a SelfReducing optimizer's 1-bit reduce-scatter
+
+    @property
+    def accepts_self_reducing(self) -> bool:  # type: ignore[override]
+        """1-bit Adam's compressed phase needs the reduce-scatter on the device (not under offload)."""
+        return not self.offload
 
     def _layout(self) -> GradientLayout:
         return (self.offloaded_layout if self.offload and self.offloaded_layout else self.gradient_layout)(self)
@@ -300,6 +308,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         self.reducer = BucketReducer(self.comm, working, self.device, max(b.padded for b in self.buckets))
         self._master.retarget(optimizer)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._bucket_of]
+        self._signs = SignReduceScatter(optimizer.error_feedback) if isinstance(optimizer, SelfReducing) else None
 
     def _build_group(self, buckets: list[FlatBucket]) -> _Group:
         dtype = self.precision.working_dtype
@@ -323,6 +332,8 @@ class ZeroStrategy(DeferredGradScale, Strategy):
     # -- backward ------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def backward_pass(self) -> Iterator[None]:
+        compressing = self._signs is not None and self.optimizer.reduces_gradients  # type: ignore[union-attr]
+        self.reducer.codec = self._signs if compressing else None
         self.launcher.reset()
         self.grads.begin_backward()
         yield
@@ -403,6 +414,17 @@ class ZeroStrategy(DeferredGradScale, Strategy):
 
     def _after_load(self) -> None:
         self._gather_working()
+
+    def local_state(self) -> dict[str, Tensor]:
+        state = super().local_state()
+        if self._signs is not None:
+            state |= {f"onebit/bucket{k}": v for k, v in self._signs.errors.items()}
+        return state
+
+    def load_local_state(self, state: dict[str, Tensor]) -> None:
+        super().load_local_state(state)
+        if self._signs is not None:
+            self._signs.errors = {int(k[13:]): v.float() for k, v in state.items() if k.startswith("onebit/bucket")}
 
     def memory_report(self) -> MemoryReport:
         assert self.module is not None
