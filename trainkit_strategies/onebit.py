@@ -41,20 +41,21 @@ _TABLES: dict[torch.device, Tensor] = {}
 
 
 def _sign_table(device: torch.device) -> Tensor:
-    """Row b: the eight +1/-1 of byte b, most significant bit first."""
+    """Row b: the eight signs of byte b, most significant bit first (a set bit is -1)."""
     if device not in _TABLES:
         bits = (torch.arange(256).unsqueeze(1) >> torch.arange(7, -1, -1)) & 1
-        _TABLES[device] = (bits * 2 - 1).float().to(device)
+        _TABLES[device] = (1 - bits * 2).float().to(device)
     return _TABLES[device]
 
 
 def pack_signs(x: Tensor) -> Tensor:
-    """Bits of ``x >= 0`` (zero counts as +1), 8 per byte, first element most significant; ``x.numel() % 8 == 0``."""
-    return _pack(x >= 0)
+    """The sign bits of ``x`` (set: negative, -0.0 included), 8 per byte, first element most significant;
+    ``x.numel() % 8 == 0``."""
+    return _pack(torch.signbit(x))
 
 
-def _pack(positive: Tensor) -> Tensor:
-    words = positive.reshape(-1).view(torch.uint8).view(torch.int64)
+def _pack(negative: Tensor) -> Tensor:
+    words = negative.reshape(-1).view(torch.uint8).view(torch.int64)
     return ((words * _GATHER_BITS) >> 56).bitwise_and_(255).to(torch.uint8)
 
 
@@ -75,11 +76,12 @@ def compress(x: Tensor, chunks: int, error: Tensor | None = None) -> tuple[Tenso
     ``error`` (x's size), write what the signs lose there: ``x - scale * sign(x)``."""
     rows = x.view(chunks, -1)
     scales = torch.linalg.vector_norm(rows, dim=1) / math.sqrt(rows.shape[1])
-    positive = rows >= 0
     if error is not None:
-        column = scales.unsqueeze(1)
-        torch.sub(rows, torch.where(positive, column, -column), out=error.view(chunks, -1))
-    return scales, _pack(positive).view(chunks, -1)
+        errors = error.view(chunks, -1)
+        for scale, row, lost in zip(scales, rows, errors, strict=True):  # per row: a 0-dim scale is fast to broadcast
+            torch.copysign(scale, row, out=lost)
+        torch.sub(rows, errors, out=errors)
+    return scales, _pack(torch.signbit(rows)).view(chunks, -1)
 
 
 def decompress(scales: Tensor, signs: Tensor) -> Tensor:
