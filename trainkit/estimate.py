@@ -27,7 +27,7 @@ from torch.optim import Optimizer
 from trainkit.activation import apply_activation_checkpointing
 from trainkit.optim import parse_optimizers
 from trainkit.step import unpack_output
-from trainkit_strategies import ActivationMeter, Environment, Precision, get_strategy
+from trainkit_strategies import ActivationMeter, Environment, Precision, SelfReducing, get_strategy
 from trainkit_strategies.comm import Comm
 from trainkit_strategies.fsdp import FSDPStrategy
 
@@ -240,9 +240,13 @@ def estimate(module: nn.Module, batch: Any, world_size: int = 1, precision: str 
     policy = Precision.from_name(precision)
     plain, checkpointed = _activations(module, batch, policy, device_type, activation_checkpointing)
     rows = []
+    optimizer = type(_optimizer(meta_copy(module)))
     for name in strategies:
         if name == "pipeline" and not callable(getattr(module, "pipeline_layers", None)):
             rows.append(StrategyEstimate(name, note="n/a: the module has no pipeline_layers()"))
+            continue
+        if issubclass(optimizer, SelfReducing) and not get_strategy(name).accepts_self_reducing:
+            rows.append(StrategyEstimate(name, note=f"n/a: {optimizer.__name__} does not run under {name}"))
             continue
         strategy = _heaviest(name, module, policy, world_size, batch)
         report = strategy.memory_report()
@@ -291,7 +295,7 @@ def choose(plan: Estimate, checkpointing: bool) -> StrategyEstimate:
     def need(row: StrategyEstimate) -> int:
         return row.device + (row.activations_checkpointed if checkpointing else row.activations)
 
-    rows = [plan.row(name) for name in AUTO_ORDER]
+    rows = [row for row in (plan.row(name) for name in AUTO_ORDER) if row.applies]
     for row in rows:
         if need(row) <= limit:
             return row

@@ -420,7 +420,7 @@ class Trainer(TrainerProperties):
             row = choose(plan, checkpointing=bool(self.activation_checkpointing))
             decision = (row.strategy, f"strategy='auto': {row.strategy}, the fastest plan that fits: "
                         f"{human(row.peak)} per rank of {human(memory)} ("
-                        + ", ".join(f"{r.strategy} {human(r.peak)}" for r in plan.rows) + ")")
+                        + ", ".join(f"{r.strategy} {human(r.peak)}" for r in plan.rows if r.applies) + ")")
         except ValueError as err:
             decision = (None, str(err))
         name, message = self.strategy.broadcast_object(decision)

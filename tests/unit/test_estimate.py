@@ -14,8 +14,10 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from tests.helpers import Regression, loader, regression_data
 from trainkit.demo.gpt import DemoGPT
-from trainkit.estimate import estimate, parse_bytes
+from trainkit.estimate import AUTO_ORDER, choose, estimate, parse_bytes
+from trainkit.optim import OneBitAdam
 from trainkit_strategies import ActivationMeter, Environment, Precision, get_strategy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -144,3 +146,19 @@ def test_estimate_of_a_7_5b_model_at_64_ranks_agrees_with_the_zero_paper(capsys)
                 "zero3": 16 * psi / n + bucket, "fsdp": 16 * psi / n + bucket}
     for name, want in expected.items():
         assert abs(rows[name] - want) <= 0.01 * want, (name, rows[name], want)
+
+
+class _OneBitRegression(Regression):
+    def configure_optimizers(self) -> OneBitAdam:
+        return OneBitAdam(self.parameters(), lr=1e-2)
+
+
+def test_a_self_reducing_optimizer_leaves_out_the_strategies_that_cannot_run_it():
+    """strategy='auto' then chooses among ddp, zero1 and zero2 only; estimate says why the others are out."""
+    batch = next(iter(loader(regression_data(8), 4)))
+    plan = estimate(_OneBitRegression(), batch, world_size=2, strategies=AUTO_ORDER, device_memory="1GB")
+    assert {row.strategy: row.applies for row in plan.rows} == {
+        "ddp": True, "zero1": True, "zero2": True, "fsdp": False, "zero_offload": False}
+    assert plan.row("fsdp").note == "n/a: OneBitAdam does not run under fsdp"
+    assert plan.row("ddp").device > 0
+    assert choose(plan, checkpointing=False).strategy == "ddp"
