@@ -392,7 +392,7 @@ class Strategy(ABC):
             "params": list(self.module.parameters()),
             "grads": self.gradients(),
             "master": [],
-            "optimizer": opt_state,
+            "optimizer": opt_state + list(self.local_state().values()),  # with compression's error feedback
             "buffers": list(self.module.buffers()),
         })
 

@@ -437,7 +437,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
                 "params": [g.working for g in self.groups] + [p for p in self.module.parameters() if p not in sharded],
                 "grads": grads + split["device"]["grads"],
                 "master": split["device"]["master"],
-                "optimizer": split["device"]["optimizer"],
+                "optimizer": split["device"]["optimizer"] + list(self.local_state().values()),
                 "buffers": list(self.module.buffers()),
             },
             {**split["host"], "grads": held["host"] + split["host"]["grads"]},
