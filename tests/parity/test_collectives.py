@@ -1,0 +1,87 @@
+"""The compressed collectives at 3 ranks (chunks that do not split evenly by 2): all-to-all moves every chunk to
+its rank, and 1-bit averaging with error feedback on both sides converges on the exact mean over repeated
+exchanges, where dropping the feedback leaves a bias."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from tests.parity.harness import free_port
+from trainkit_strategies import Environment
+from trainkit_strategies.comm import Comm
+from trainkit_strategies.onebit import SignReduceScatter, compressed_all_reduce
+
+WORLD = 3
+N = 8 * WORLD * 40  # elements; a multiple of 8 bits per rank
+
+
+def _inputs(rank: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(rank)
+    return torch.randn(N, generator=generator) * torch.linspace(0.05, 2.0, N)
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want))
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    comm = Comm.connect(Environment.from_env("cpu", timeout_s=60))
+    results: dict[str, object] = {}
+
+    sent = torch.tensor([[rank * 10 + j] * 4 for j in range(WORLD)], dtype=torch.int64)
+    received = torch.empty_like(sent)
+    comm.all_to_all(received.view(-1), sent.view(-1))
+    results["all_to_all"] = received[:, 0].tolist()
+
+    x = _inputs(rank)
+    exact = sum(_inputs(r) for r in range(WORLD)) / WORLD
+    for feedback in (True, False):
+        worker, server, arrived = torch.zeros(N), torch.zeros(N // WORLD), torch.zeros(N)
+        for _ in range(200):
+            y = x.clone()
+            compressed_all_reduce(y, worker, server, comm, feedback)
+            arrived += y
+        results[f"all_reduce_feedback_{feedback}"] = _relative(arrived / 200, exact)
+        results[f"all_reduce_same_{feedback}"] = bool(torch.equal(torch.stack(comm.all_gather_object(y)).std(0),
+                                                                  torch.zeros(N)))
+
+        codec, piece = SignReduceScatter(feedback), torch.empty(N // WORLD)
+        summed = torch.zeros(N // WORLD)
+        for _ in range(200):
+            handle, finish = codec.start(comm, piece, x, key=0)
+            handle.wait()
+            finish()
+            summed += piece
+        mine = slice(rank * N // WORLD, (rank + 1) * N // WORLD)
+        results[f"reduce_scatter_feedback_{feedback}"] = _relative(summed / 200, exact[mine] * WORLD)
+
+    everyone = comm.all_gather_object(results)
+    if rank == 0:
+        Path(out).write_text(json.dumps(everyone))
+    comm.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def test_compressed_collectives_at_three_ranks():
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp, "results.json"))
+        mp.start_processes(_worker, args=(free_port(), out), nprocs=WORLD, start_method="spawn")
+        everyone = json.loads(Path(out).read_text())
+    for rank, results in enumerate(everyone):
+        assert results["all_to_all"] == [source * 10 + rank for source in range(WORLD)]
+        assert results["all_reduce_same_True"] and results["all_reduce_same_False"]  # every rank ends alike
+        assert results["all_reduce_feedback_True"] < 0.03, results
+        assert results["all_reduce_feedback_False"] > 0.2, results
+        assert results["reduce_scatter_feedback_True"] < 0.03, results
+        assert results["reduce_scatter_feedback_False"] > 0.2, results
