@@ -19,7 +19,6 @@ import argparse
 import importlib.util
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -27,8 +26,8 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from ranks import free_port, run_ranks
 from torch import nn
 
 from trainkit.demo.gpt import GPTConfig, TinyGPT
@@ -159,12 +158,6 @@ def _leave() -> None:
     os._exit(0)  # skip interpreter finalisation, where c10d destructors have aborted a rank now and then
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def cpu(args: argparse.Namespace) -> None:
     shape, micro = _shape(args)
     print(f"CPU, MLP {shape[2]} x [{shape[0]} -> {shape[1]} -> {shape[0]}], batch {micro} per rank, bf16-mixed, "
@@ -172,15 +165,8 @@ def cpu(args: argparse.Namespace) -> None:
     if not HAS_DEEPSPEED:
         print("DeepSpeed is not installed: trainkit alone (pip install deepspeed; DS_ACCELERATOR=cpu)")
     for world in (1, 2):
-        with mp.Manager() as manager:
-            out = manager.dict()
-            mp.start_processes(_timing_worker, args=(world, _port(), args, out), nprocs=world, start_method="spawn")
-            times = dict(out)
-            memory = {}
-            for name in times:
-                mp.start_processes(_memory_worker, args=(world, _port(), args, name, out), nprocs=world,
-                                   start_method="spawn")
-                memory[name] = out[name]
+        times = run_ranks(_timing_worker, world, args)
+        memory = {name: run_ranks(_memory_worker, world, args, name)[name] for name in times}
         ours = "trainkit zero_offload"
         for name, t in times.items():
             line = f"W={world}  {name:<28}{t * 1e3:>9.1f} ms  peak RSS +{memory[name] / 2**20:>7.1f} MiB"
@@ -190,7 +176,7 @@ def cpu(args: argparse.Namespace) -> None:
 
 
 def gpu(args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group("nccl", rank=0, world_size=1)
     device = torch.device("cuda", 0)
     env = Environment(device=device)

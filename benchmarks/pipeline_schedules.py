@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -33,8 +32,8 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from ranks import run_ranks
 from torch import nn
 
 from trainkit_strategies import Environment, Precision, get_strategy
@@ -169,13 +168,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.rounds, args.steps = 2, 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.start_processes(_worker, args=(args.world, port, args, out), nprocs=args.world, start_method="spawn")
-        medians, bubbles = dict(out["medians"]), dict(out["bubbles"])
+    out = run_ranks(_worker, args.world, args)
+    medians, bubbles = dict(out["medians"]), dict(out["bubbles"])
     p, m = args.world, 2 * args.world
     width = "64 -> 128 -> 64" if args.smoke else "512 -> 2048 -> 512"
     print(f"{p} stages, gloo, 1 thread per rank ({os.cpu_count()} cores), MLP {2 * p} x [{width}], batch "

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -33,8 +32,8 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from ranks import run_ranks
 from torch import nn
 
 from trainkit.optim import OneBitAdam
@@ -247,13 +246,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.rounds, args.steps = 2, 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.start_processes(_worker, args=(2, port, args, out), nprocs=2, start_method="spawn")
-        medians = dict(out)
+    medians = run_ranks(_worker, 2, args)
     model = "2 x [64 -> 128 -> 64], batch 8" if args.smoke else "4 x [512 -> 2048 -> 512], batch 32"
     print(f"2 ranks, gloo, 1 thread each, MLP {model} per rank, AdamW; median of {args.rounds} rounds "
           f"x {args.steps} steps")

@@ -250,10 +250,13 @@ class Comm:
             return _DONE
         return handle
 
-    def _exchange(self, send: Tensor, recv: Tensor, tag: int) -> list[Any]:
-        """Post a send to the next rank and a receive from the previous one (one ring round)."""
-        nxt, prv = self.ranks[(self.rank + 1) % self.world_size], self.ranks[(self.rank - 1) % self.world_size]
-        ops = [dist.P2POp(dist.isend, send, nxt, self.group, tag), dist.P2POp(dist.irecv, recv, prv, self.group, tag)]
+    def _exchange(self, send: Tensor, recv: Tensor, tag: int, distance: int = 1) -> list[Any]:
+        """Post a send to the rank ``distance`` ahead and a receive from the one ``distance`` behind (one ring
+        round at distance 1)."""
+        ahead = self.ranks[(self.rank + distance) % self.world_size]
+        behind = self.ranks[(self.rank - distance) % self.world_size]
+        ops = [dist.P2POp(dist.isend, send, ahead, self.group, tag),
+               dist.P2POp(dist.irecv, recv, behind, self.group, tag)]
         return dist.batch_isend_irecv(ops)
 
     def _ring_reduce_scatter(self, output: Tensor, input: Tensor) -> Iterator[list[Any]]:
@@ -299,10 +302,7 @@ class Comm:
         recvs[rank].copy_(sends[rank])
         self._tag += 1
         for step in range(1, world):
-            dst, src = (rank + step) % world, (rank - step) % world
-            ops = [dist.P2POp(dist.isend, sends[dst], self.ranks[dst], self.group, self._tag),
-                   dist.P2POp(dist.irecv, recvs[src], self.ranks[src], self.group, self._tag)]
-            yield dist.batch_isend_irecv(ops)
+            yield self._exchange(sends[(rank + step) % world], recvs[(rank - step) % world], self._tag, step)
 
     def broadcast(self, tensor: Tensor, src: int = 0, async_op: bool = False) -> Handle:
         """``src`` is a rank within this group."""

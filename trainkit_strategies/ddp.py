@@ -76,7 +76,6 @@ class DDPStrategy(Strategy):
             raise ValueError(f"ddp bucket_mb must be positive; got {bucket_mb}.")
         if compression not in ("none", "powersgd"):
             raise ValueError(f"ddp compression must be 'none' or 'powersgd'; got {compression!r}.")
-        self.compression = compression
         self.compressor = PowerSGD(powersgd_rank, powersgd_warmup_steps) if compression == "powersgd" else None
         self._local = False  # this window's gradients stay on their rank (a SelfReducing optimizer averages)
         self.bucket_mb = bucket_mb
@@ -112,25 +111,22 @@ class DDPStrategy(Strategy):
     def _build_buckets(self, params: list[nn.Parameter]) -> None:
         groups = pack(list(reversed(params)), int(self.bucket_mb * 2**20), key=lambda p: p.dtype)
         self._buckets, self._slots = [], {}
+        layouts = []  # per bucket, (offset, shape) of each parameter: what PowerSGD compresses
         for index, group in enumerate(groups):
             buffer = torch.zeros(sum(p.numel() for p in group), dtype=group[0].dtype, device=self.device)
-            offset = 0
+            offset, layout = 0, []
             for p in group:
                 view = buffer[offset : offset + p.numel()].view_as(p)
                 if p.grad is not None:
                     view.copy_(p.grad)
                 p.grad = view
                 self._slots[p] = _Slot(index, view)
+                layout.append((offset, p.shape))
                 offset += p.numel()
             self._buckets.append(_Bucket(group, buffer))
+            layouts.append(layout)
         self._launcher = OrderedLauncher([len(g) for g in groups], self._launch)
         if self.compressor is not None:
-            layouts = []
-            for group in groups:
-                offsets = [0]
-                for p in group[:-1]:
-                    offsets.append(offsets[-1] + p.numel())
-                layouts.append([(o, p.shape) for o, p in zip(offsets, group, strict=True)])
             self.compressor.build(layouts, self.device)
 
     # -- backward and reduction ----------------------------------------------------------------------
