@@ -50,7 +50,7 @@ def mlp(width: int, hidden: int, blocks: int) -> nn.Module:
 
 def trainkit_variant(model: nn.Module, env: Environment, batch: Callable[[], tuple], loss_fn: Callable) -> Step:
     strategy = get_strategy("zero_offload")
-    strategy.setup_environment(env, Comm(env.world_size, env.rank) if env.world_size > 1 else None)
+    strategy.setup_environment(env, Comm(env.world_size, env.rank, device=env.device) if env.world_size > 1 else None)
     strategy.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4), Precision.from_name("bf16-mixed"))
 
     def step() -> None:

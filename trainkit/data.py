@@ -206,6 +206,13 @@ class DataConnector:
         return rebuild_loader(loader, shuffle, self.seed, self.strategy.dp_rank, self.strategy.dp_size, pad=pad)
 
     @property
+    def equal_batches(self) -> bool:
+        """Every rank's training batches hold as many samples: the loader draws through trainkit's sampler, which
+        gives every rank a share of the same length (padded or trimmed)."""
+        sampler = getattr(self.train_dataloader, "sampler", None)
+        return isinstance(sampler, ResumableSampler) and (sampler.pad or sampler.drop_last)
+
+    @property
     def moves_batches(self) -> bool:
         """Whether batches need moving to the device or casting (to bf16 under "bf16-true")."""
         return self.strategy.device.type != "cpu" or self.precision.converts_input

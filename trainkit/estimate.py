@@ -201,14 +201,16 @@ def _activations(module: nn.Module, batch: Any, precision: Precision, device_typ
 
 
 def _setup(name: str, module: nn.Module, precision: Precision, world_size: int, rank: int, batch: Any,
-           **options: Any) -> Any:
+           device_type: str = "cpu", **options: Any) -> Any:
     """``name`` set up on a meta copy of ``module`` as rank ``rank`` of ``world_size``, after one backward on the
     meta device (buffers a strategy allocates on first use exist then, as in a run) and with the optimizer state
-    its first step creates."""
+    its first step creates. Host memory is on the meta device too; on ``device_type`` "cuda" it is laid out as
+    apart from the device's (offload's device scratch and page-locked copies)."""
     model = meta_copy(module)
     strategy = get_strategy(name, **options)
-    env = Environment(device=META, rank=rank, local_rank=rank, world_size=world_size)
-    strategy.setup_environment(env, comm=Comm())  # the layouts of world_size ranks, no communication
+    env = Environment(device=META, rank=rank, local_rank=rank, world_size=world_size, host=META,
+                      separate_host=device_type == "cuda")
+    strategy.setup_environment(env, comm=Comm(device=META))  # the layouts of world_size ranks, no communication
     strategy.setup(model, _optimizer(model), precision)
     if name != "pipeline":  # its schedule exchanges activations, which a meta rank has nobody to send to
         model.train()
@@ -248,7 +250,7 @@ def estimate(module: nn.Module, batch: Any, world_size: int = 1, precision: str 
         if issubclass(optimizer, SelfReducing) and not get_strategy(name).accepts_self_reducing:
             rows.append(StrategyEstimate(name, note=f"n/a: {optimizer.__name__} does not run under {name}"))
             continue
-        strategy = _heaviest(name, module, policy, world_size, batch)
+        strategy = _heaviest(name, module, policy, world_size, batch, device_type)
         report = strategy.memory_report()
         note = f"{strategy.stages} stages x {strategy.replicas} replicas, layers {strategy.stage_sizes}" \
             if name == "pipeline" else ""
@@ -259,14 +261,16 @@ def estimate(module: nn.Module, batch: Any, world_size: int = 1, precision: str 
     return Estimate(params, world_size, policy.name, rows, memory)
 
 
-def _heaviest(name: str, module: nn.Module, precision: Precision, world_size: int, batch: Any) -> Any:
+def _heaviest(name: str, module: nn.Module, precision: Precision, world_size: int, batch: Any,
+              device_type: str) -> Any:
     """The strategy as set up on the rank that holds the most: not rank 0 (uneven shards' padding lands on the
     last ranks), and under pipeline the heaviest stage, with as many stages as the world and the layers allow."""
     if name != "pipeline":
-        return _setup(name, module, precision, world_size, 1 if world_size > 1 else 0, batch)
+        return _setup(name, module, precision, world_size, 1 if world_size > 1 else 0, batch, device_type)
     layers = len(module.pipeline_layers())
     stages = max(d for d in range(1, world_size + 1) if world_size % d == 0 and d <= layers)
-    setups = [_setup(name, module, precision, world_size, rank, batch, stages=stages) for rank in range(stages)]
+    setups = [_setup(name, module, precision, world_size, rank, batch, device_type, stages=stages)
+              for rank in range(stages)]
     return max(setups, key=lambda s: s.memory_report().device_total)
 
 

@@ -163,7 +163,8 @@ def wait_children() -> int:
     return code
 
 
-def connect(accelerator: str, devices: int, num_nodes: int, timeout_s: float) -> Environment:
+def connect(accelerator: str, devices: int, num_nodes: int, timeout_s: float, peer_timeout_s: float = 15.0
+            ) -> Environment:
     """The Environment of this process, launching local ranks first when ``devices > 1`` asks for it."""
     slurm = _slurm_env()
     if slurm is not None and "WORLD_SIZE" not in os.environ:
@@ -178,7 +179,7 @@ def connect(accelerator: str, devices: int, num_nodes: int, timeout_s: float) ->
                 "(--nnodes, --nproc-per-node) or srun, which set RANK/WORLD_SIZE for trainkit to read."
             )
         _launch(devices, timeout_s)
-    env = Environment.from_env(accelerator, timeout_s)
+    env = Environment.from_env(accelerator, timeout_s, peer_timeout_s)
     expected = devices * num_nodes
     if env.world_size > 1 and expected > 1 and env.world_size != expected:
         raise RuntimeError(

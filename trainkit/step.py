@@ -1,14 +1,19 @@
 """The optimizer step as one component: the accumulation window, loss normalisation, loss scaling, the
 overflow skip, clipping, the step itself and the LR schedule.
 
-Loss normalisation (DESIGN.md, "Accumulation"): a micro-batch's step returns a loss that is the mean
-over its ``n`` items (``n = 1`` when no ``num_items`` is given). The objective of one optimizer step is
-``sum_i n_i L_i / N`` over the window's micro-batches on every rank, ``N = sum_i n_i``. Each
-micro-batch back-propagates ``L_i * n_i / c``, and after the cross-rank sum the strategy multiplies
-gradients by ``c / N`` once. ``c`` must be the same on every rank (the sum mixes their gradients): for
-plain losses it is the accumulation factor ``k``; with ``num_items`` it is fixed for the whole run at
-``k`` times the largest first micro-batch count over ranks (one scalar collective, once), which keeps
-gradients near unit scale for fp16. A short final window is exact because ``N`` is what it held.
+Loss normalisation: a micro-batch's step returns a loss that is the mean over its ``n`` items: the
+``num_items`` it returns, or else its samples (the batch's leading dimension). The objective of one optimizer
+step is ``sum_i n_i L_i / N`` over the window's micro-batches on every rank, ``N = sum_i n_i``: a window of
+batches of 4, 4 and 2 samples steps exactly like one batch of those 10. Each micro-batch back-propagates
+``L_i * n_i / c``, and after the cross-rank sum the strategy multiplies gradients by ``c / N`` once. ``c`` must
+be the same on every rank (the sum mixes their gradients): it is fixed for the whole run at ``k`` times the
+largest first micro-batch count over ranks (one scalar collective, once), which keeps gradients near unit scale
+for fp16. A short final window is exact because ``N`` is what it held.
+
+``N`` is summed over ranks on the device (the count becomes a device scalar by a fill, never by copying Python
+data, so the step never waits for the host), except where it needs no communication: on one rank, and for
+sample counts when every rank's batches hold as many samples (trainkit's sampler pads each rank's share to the
+same length), where it is ``W`` times this rank's count.
 
 A strategy that runs its own schedule (``RunsSchedule``: the pipeline) computes forward and backward
 of a batch itself; it weights every loss item by ``1/k`` (times the loss scale) and reports the items
@@ -30,6 +35,7 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from trainkit.dispatch import HookDispatch
 from trainkit.optim import OptimizerConfig
+from trainkit.utils import infer_batch_size
 from trainkit_strategies import DynamicLossScaler, RunsSchedule, Strategy
 
 
@@ -68,13 +74,16 @@ class OptimizerStep:
         optimizers: the optimizer and LR scheduler from ``configure_optimizers``.
         log_loss: where a schedule-running strategy's batch loss is logged as ``train_loss`` (no
             ``training_step`` runs to log it).
+        equal_batches: every rank's micro-batches hold as many samples as this rank's (the data comes through
+            trainkit's sampler), so a plain loss's sample total needs no communication.
     """
 
     def __init__(self, strategy: Strategy, config: StepConfig, scaler: DynamicLossScaler | None,
                  hooks: HookDispatch, optimizers: OptimizerConfig | None = None,
-                 log_loss: Callable[[Tensor], None] | None = None) -> None:
+                 log_loss: Callable[[Tensor], None] | None = None, equal_batches: bool = False) -> None:
         self.strategy, self.config, self.scaler, self.hooks = strategy, config, scaler, hooks
         self.optimizers, self.log_loss = optimizers, log_loss
+        self.equal_batches = equal_batches  # every rank's batches hold as many samples (trainkit's sampler)
         self.k = config.accumulate_grad_batches
         self.window = 0  # micro-batches run in the open window
         self.items_norm: float | None = None  # c (see the module docstring); kept in checkpoints
@@ -112,14 +121,11 @@ class OptimizerStep:
             raise ValueError("training_step returned num_items for some micro-batches of a window but not "
                              "for others; return it always or never.")
         if n is None:
-            weight: Any = 1.0 / self.k
-            self._count += 1
-        else:
-            if self.items_norm is None:
-                first = torch.as_tensor(n, dtype=torch.float64, device=strategy.device).clamp(min=1)
-                self.items_norm = float(strategy.reduce(first, "max")) * self.k
-            self._count = self._count + n
-            weight = n / self.items_norm
+            n = infer_batch_size(batch) or 1  # a plain mean loss weighs by its samples
+        if self.items_norm is None:
+            self.items_norm = self._first_norm(n)
+        self._count = self._count + n
+        weight: Any = n / self.items_norm
         if self.scaler is not None:
             weight = weight * self.scaler.scale
         for fn in self.hooks.fns("on_before_backward"):
@@ -130,6 +136,14 @@ class OptimizerStep:
         self.last_loss = loss.detach()
         self.window += 1
         return outputs
+
+    def _first_norm(self, n: Any) -> float:
+        """``c``: ``k`` times the largest first micro-batch count over the ranks (once per run)."""
+        strategy = self.strategy
+        if isinstance(n, Tensor) or (strategy.world_size > 1 and (self._item_weighted or not self.equal_batches)):
+            first = _on_device(n, strategy.device).clamp(min=1)
+            return float(strategy.reduce(first, "max")) * self.k
+        return max(float(n), 1.0) * self.k
 
     def _scheduled(self, module: nn.Module, batch: Any, batch_idx: int) -> Any:
         strategy = self.strategy
@@ -163,12 +177,13 @@ class OptimizerStep:
 
     def _step(self) -> bool:
         strategy = self.strategy
-        if not self._item_weighted:
-            scale: Any = self.k / (self._count * strategy.world_size)
-        else:
-            total = torch.as_tensor(self._count, dtype=torch.float64, device=strategy.device)
-            scale = (self.items_norm / strategy.reduce(total, "sum").clamp(min=1)).float()
-        self.window, self._count = 0, 0
+        count, self.window, self._count = self._count, 0, 0
+        assert self.items_norm is not None
+        if isinstance(count, Tensor) or (strategy.world_size > 1 and (self._item_weighted or not self.equal_batches)):
+            total = strategy.reduce(_on_device(count, strategy.device), "sum")
+            scale: Any = (self.items_norm / total.clamp(min=1)).float()
+        else:  # one rank, or as many samples on every rank
+            scale = self.items_norm / max(float(count) * strategy.world_size, 1.0)
         if self.scaler is not None:
             scale = scale / self.scaler.scale
         strategy.reduce_gradients(scale)
@@ -208,3 +223,11 @@ class OptimizerStep:
             cfg.scheduler.step(values[cfg.monitor])
         else:
             cfg.scheduler.step()
+
+
+def _on_device(count: Any, device: torch.device) -> Tensor:
+    """A count (a Python number or a tensor) as a float64 scalar on ``device``: a Python number by a fill kernel,
+    which needs no copy from host memory (``torch.tensor(x, device=...)`` copies, and waits for the copy)."""
+    if isinstance(count, Tensor):
+        return count.detach().to(device=device, dtype=torch.float64)
+    return torch.full((), float(count), dtype=torch.float64, device=device)

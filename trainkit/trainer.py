@@ -37,7 +37,7 @@ from trainkit.signals import Preempted, StepSignals
 from trainkit.step import OptimizerStep, StepConfig
 from trainkit.utils import model_summary
 from trainkit_strategies import DynamicLossScaler, Precision, ShardedInit, Strategy
-from trainkit_strategies.comm import PeerError
+from trainkit_strategies.comm import PeerError, peer_failure
 from trainkit_strategies.registry import get_strategy
 
 
@@ -83,6 +83,8 @@ class Trainer(TrainerProperties):
             resumable mid-epoch, one global order at any world size); off uses loaders exactly as given.
         default_root_dir: where runs/ and checkpoints/ go.
         timeout_s: seconds a collective waits for a peer before the run fails.
+        peer_timeout_s: seconds a peer may stop answering the heartbeat before the run fails (a rank that died,
+            was killed or froze; NCCL does not notice one by itself); 0 turns the heartbeat off.
         device_memory: memory of one device that ``strategy="auto"`` plans against, in bytes or as "80GB"
             (default: the GPU's total memory; on the CPU, the machine's memory divided among its ranks).
     """
@@ -122,6 +124,7 @@ class Trainer(TrainerProperties):
         use_distributed_sampler: bool = True,
         default_root_dir: str | Path = ".",
         timeout_s: float = 1800.0,
+        peer_timeout_s: float = 15.0,
         device_memory: str | int | None = None,
     ) -> None:
         if accumulate_grad_batches < 1:
@@ -141,7 +144,9 @@ class Trainer(TrainerProperties):
         self._auto = False  # strategy="auto" on several ranks: the plan is chosen when fit starts
         self.default_root_dir = Path(default_root_dir)
         self.devices, self.num_nodes, self.accelerator, self.timeout_s = devices, num_nodes, accelerator, timeout_s
-        self.env = launcher.connect(accelerator, devices, num_nodes, timeout_s)
+        if peer_timeout_s < 0:
+            raise ValueError(f"peer_timeout_s must be >= 0 (0 turns the heartbeat off); got {peer_timeout_s}.")
+        self.env = launcher.connect(accelerator, devices, num_nodes, timeout_s, peer_timeout_s)
         self.strategy = self._resolve_strategy(strategy)
         self.signals = StepSignals(self.strategy.comm.control())  # preemption and checkpoint progress
         self.saver = AsyncSaver()  # the asynchronous checkpoint in flight, if any
@@ -332,7 +337,8 @@ class Trainer(TrainerProperties):
             if fn == "fit":
                 step = OptimizerStep(self.strategy, StepConfig(self.accumulate_grad_batches, self.gradient_clip_val,
                                                                self.gradient_clip_algorithm),
-                                     self.scaler, hooks, self.optimizer_config, loss_logger(self.results))
+                                     self.scaler, hooks, self.optimizer_config, loss_logger(self.results),
+                                     equal_batches=self.data.equal_batches)
                 self.fit_loop = FitLoop(config, self.progress, module, self.strategy, step, hooks, self.results,
                                         self.data, self.evaluation, self._emit, self._at_boundary)
             path = self.resolve_ckpt_path(ckpt_path) if ckpt_path is not None else None
@@ -361,9 +367,16 @@ class Trainer(TrainerProperties):
                 except Exception as cb_exc:  # keep the original error in front of the user
                     rank_zero_warn(f"{type(cb).__name__}.on_exception failed: {cb_exc!r}")
             if self.world_size > 1:
-                self.strategy.comm.abort()
+                failure = peer_failure()
+                if not isinstance(exc, Preempted | PeerError) and failure is None:
+                    self.strategy.comm.abort(f"{type(exc).__name__}: {str(exc)[:300]}")
+                else:
+                    self.strategy.comm.abort()
                 if not isinstance(exc, Preempted):
                     launcher.failed()
+                if failure is not None and not isinstance(exc, PeerError):  # a dead peer made this rank's wait fail
+                    exc = PeerError(f"A collective across {self.world_size} ranks failed: {failure}. Original "
+                                    f"error: {exc}")
             if isinstance(exc, PeerError):
                 raise PeerError(f"{exc}\n{resume.resume_hint(self.checkpoint_dir)}") from exc
             raise

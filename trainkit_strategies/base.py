@@ -44,6 +44,14 @@ class Environment:
         rank: global rank. local_rank: rank on this node. world_size: number of ranks.
         master_addr, master_port: rendezvous address of rank 0 (unused when ``world_size == 1``).
         timeout_s: how long a collective may wait for a peer before it fails.
+        peer_timeout_s: how long a peer may stop answering the heartbeat (``liveness.py``) before the run fails, so
+            a peer that died is noticed within seconds also on NCCL (which otherwise waits ``timeout_s``); 0 turns
+            the heartbeat off.
+        host: where host memory lives (offloaded optimizer state, pinned staging): the CPU, or the meta device
+            when a strategy is only being measured (``trainkit estimate``).
+        separate_host: whether host memory is apart from the device's, so that offloaded buffers cross a bus
+            (device scratch, pinned copies); default: the device is not the CPU. ``trainkit estimate`` sets it
+            to plan a GPU run on the meta device.
     """
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -53,6 +61,14 @@ class Environment:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     timeout_s: float = 1800.0
+    peer_timeout_s: float = 15.0
+    host: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    separate_host: bool | None = None
+
+    @property
+    def host_is_separate(self) -> bool:
+        """Host memory is not the device's: offloaded state crosses a bus (see ``separate_host``)."""
+        return self.separate_host if self.separate_host is not None else self.device.type != "cpu"
 
     @staticmethod
     def accelerator_type(accelerator: str) -> str:
@@ -89,7 +105,8 @@ class Environment:
         return torch.device("cuda", local_rank)
 
     @classmethod
-    def from_env(cls, accelerator: str = "auto", timeout_s: float = 1800.0) -> Environment:
+    def from_env(cls, accelerator: str = "auto", timeout_s: float = 1800.0, peer_timeout_s: float = 15.0
+                 ) -> Environment:
         """Read RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (torchrun's variables)."""
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         return cls(
@@ -100,6 +117,7 @@ class Environment:
             master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(os.environ.get("MASTER_PORT", 29500)),
             timeout_s=timeout_s,
+            peer_timeout_s=peer_timeout_s,
         )
 
 
@@ -165,13 +183,37 @@ class Strategy(ABC):
         The optimizer object stays the user's (LR schedulers hold a reference to it); a sharded
         strategy replaces the tensors in each param group and keeps every group's hyperparameters.
         """
+        self._bind(module, optimizer, precision)
+        self._place(module)
+
+    def _bind(self, module: nn.Module, optimizer: Optimizer | None, precision: Precision) -> None:
+        """Take ``module``, ``optimizer`` and ``precision`` on, recording the optimizer's param groups by name."""
         check_optimizer(self, optimizer)
         self.module, self.optimizer, self.precision = module, optimizer, precision
         if optimizer is not None:
             self._group_names = st.group_names_of(optimizer, st.param_names(module))
-        module.to(device=self.device)
-        if precision.param_dtype != torch.float32:
-            module.to(dtype=precision.param_dtype)
+
+    def _place(self, module: nn.Module) -> None:
+        """Move what ``module`` holds that is not on the device yet there (parameters, buffers, and what a module's
+        own ``_apply`` moves, such as torchmetrics states), cast to the policy's parameter dtype. A sharding
+        strategy calls it after placing its shards, for the rest; tensors still on the meta device stay."""
+        device, dtype = self.device, self.precision.param_dtype
+
+        def target(t: Tensor) -> tuple[torch.device, torch.dtype]:
+            return device, dtype if dtype != torch.float32 and t.is_floating_point() else t.dtype
+
+        def placed(t: Tensor) -> bool:
+            return (t.is_meta and device.type != "meta") or (t.device, t.dtype) == target(t)
+
+        def move(t: Tensor) -> Tensor:
+            return t if placed(t) else t.to(*target(t))
+
+        for mod in module.modules():  # only modules holding something to move (a sharded unit holds nothing)
+            own = [t for t in (*mod._parameters.values(), *mod._buffers.values()) if t is not None]
+            if type(mod)._apply is not nn.Module._apply:  # it moves more than parameters and buffers
+                mod._apply(move)
+            elif not all(placed(t) for t in own):
+                mod._apply(move, recurse=False)
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         return self.precision.forward_context(self.device)
@@ -401,10 +443,19 @@ class Strategy(ABC):
 
 
 def _local_norm(grads: list[Tensor], norm_type: float, device: torch.device) -> Tensor:
+    """The norm of ``grads`` together, on ``device``: per place they live (offloaded shards are in host memory),
+    one norm there, and only those scalars move."""
     if not grads:
         return torch.zeros((), device=device)
-    norms = torch._foreach_norm(grads, norm_type, dtype=torch.float32)  # fp16 norms overflow at 65504
-    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    places: dict[torch.device, list[Tensor]] = {}
+    for g in grads:
+        places.setdefault(g.device, []).append(g)
+    totals = []
+    for place, group in places.items():
+        norms = torch._foreach_norm(group, norm_type, dtype=torch.float32)  # fp16 norms overflow at 65504
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        totals.append(total if place == device else total.to(device))
+    return totals[0] if len(totals) == 1 else torch.linalg.vector_norm(torch.stack(totals), norm_type)
 
 
 def sharded_norm(shards: list[Tensor], norm_type: float, comm: Comm, device: torch.device) -> Tensor:

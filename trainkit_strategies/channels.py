@@ -2,7 +2,7 @@
 
 Stages need not know the shapes that cross a boundary in advance: the first time a micro-batch of a
 given input signature crosses, a small header (ndim, dtype code, up to 6 dimensions) precedes the
-payload, and both sides remember the shape for that signature from then on.
+payload (on a host group: shapes are host data), and both sides remember the shape for that signature from then on.
 """
 
 from __future__ import annotations
@@ -20,15 +20,19 @@ _HEADER = 8  # ndim, dtype code, up to 6 dims
 class Channel:
     """One direction between neighbouring stages.
 
-    The first time a micro-batch of a given input signature crosses, a header (shape, dtype) precedes
-    the payload; from then on both sides know the shape, so only the payload travels and the receiver
-    can post the next receive before it is needed (overlapping the transfer with compute). Activations
-    are received ahead; gradients are not: measured on gloo, a gradient receive pending through a
-    1F1B stage's forward slowed the step by 3-5%.
+    The payload travels on ``comm`` (the boundary's communicator for this direction) to or from ``peer``, its other
+    end. The first time a micro-batch of a given input signature crosses, a header (shape, dtype) precedes it on
+    ``headers``, a host (gloo) group where it is tagged ``tag``: shapes are host data, so neither end copies them
+    through the device. From then on both sides know the shape, so only the payload travels and the receiver can
+    post the next receive before it is needed (overlapping the transfer with compute). Activations are received
+    ahead; gradients are not: measured on gloo, a gradient receive pending through a 1F1B stage's forward slowed
+    the step by 3-5%.
     """
 
-    def __init__(self, comm: Comm, peer: int, device: torch.device) -> None:
+    def __init__(self, comm: Comm, peer: int, device: torch.device, headers: Comm, header_peer: int,
+                 tag: int) -> None:
         self.comm, self.peer, self.device = comm, peer, device
+        self.headers, self.header_peer, self.tag = headers, header_peer, tag
         self.shapes: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}
         self.posted: dict[int, tuple[Handle, Tensor]] = {}
 
@@ -39,8 +43,8 @@ class Channel:
         if known is None:
             self.shapes[key] = meta
             fields = [tensor.dim(), _WIRE_DTYPES.index(tensor.dtype), *tensor.shape]
-            header = torch.tensor(fields + [0] * (_HEADER - len(fields)), dtype=torch.int64, device=self.device)
-            handles.append(self.comm.send(header, self.peer))
+            header = torch.tensor(fields + [0] * (_HEADER - len(fields)), dtype=torch.int64, device="cpu")
+            handles.append(self.headers.send(header, self.header_peer, self.tag))
         elif known != meta:
             raise RuntimeError(
                 f"pipeline: a stage produced {meta} for a micro-batch whose input shapes produced {known} before; "
@@ -62,9 +66,10 @@ class Channel:
             handle.wait()
             return buffer
         if key not in self.shapes:
-            header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-            self.comm.recv(header, self.peer).wait()
-            self.shapes[key] = (tuple(header[2 : 2 + int(header[0])].tolist()), _WIRE_DTYPES[int(header[1])])
+            header = torch.empty(_HEADER, dtype=torch.int64, device="cpu")
+            self.headers.recv(header, self.header_peer, self.tag).wait()
+            fields = header.tolist()
+            self.shapes[key] = (tuple(fields[2 : 2 + fields[0]]), _WIRE_DTYPES[fields[1]])
         shape, dtype = self.shapes[key]
         buffer = torch.empty(shape, dtype=dtype, device=self.device)
         self.comm.recv(buffer, self.peer).wait()

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from trainkit_strategies.liveness import Heartbeat
+
 if TYPE_CHECKING:
     from trainkit_strategies.base import Environment
 
@@ -40,7 +42,26 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+_heartbeat: Heartbeat | None = None  # this process's, started with the default process group (liveness.py)
+_SLICE = timedelta(seconds=1)  # gloo waits in slices of this, so a peer the heartbeat declared dead fails them
+
+
+def peer_failure() -> str | None:
+    """What the heartbeat found wrong with a peer (which rank, and how), once it has; None until then."""
+    return _heartbeat.failure if _heartbeat is not None else None
+
+
+def _abort_communicators(verdict: str) -> None:
+    """The heartbeat's verdict: abort every NCCL communicator of the process, so kernels and host waits blocked on
+    the dead peer fail now (gloo waits notice the verdict between slices, see ``Comm._wait``)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        with contextlib.suppress(Exception):
+            dist.distributed_c10d._abort_process_group()
+
+
 def _destroy_at_exit() -> None:
+    if _heartbeat is not None:
+        _heartbeat.finish()
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
@@ -82,6 +103,10 @@ def _copy_alone(output: Tensor, input: Tensor) -> None:
 
 class PeerError(RuntimeError):
     """A collective failed because another rank died, raised, or stopped answering within the timeout."""
+
+
+class CommDeviceError(RuntimeError):
+    """A collective was handed a tensor that does not live on its communicator's device (a local bug, not a peer's)."""
 
 
 @dataclass
@@ -126,7 +151,7 @@ class Handle:
             work, self._work = self._work, None
             assert self._comm is not None
             for w in work if isinstance(work, list) else [work]:
-                self._comm._guard(w.wait)
+                self._comm._wait(w)
             if self._rounds is not None:
                 self._work = self._comm._guard(next, self._rounds, None)
 
@@ -138,10 +163,11 @@ class Comm:
     """Collectives over one process group (the default one unless ``group`` is given)."""
 
     def __init__(self, world_size: int = 1, rank: int = 0, group: Any = None, ranks: list[int] | None = None,
-                 timeout_s: float = 1800.0) -> None:
+                 timeout_s: float = 1800.0, device: torch.device | None = None) -> None:
         self.world_size, self.rank, self.group = world_size, rank, group
         self.ranks = ranks if ranks is not None else list(range(world_size))
         self.timeout_s = timeout_s
+        self.device = device if device is not None else torch.device("cpu")  # every tensor handed over lives here
         self.stats = CommStats()
         self.ring = world_size > 1 and dist.get_backend(group) == "gloo"
         self._tag = 0
@@ -150,7 +176,7 @@ class Comm:
     def connect(cls, env: Environment) -> Comm:
         """Join (once per process) the default process group: NCCL for CUDA devices, gloo otherwise."""
         if env.world_size == 1:
-            return cls(timeout_s=env.timeout_s)
+            return cls(timeout_s=env.timeout_s, device=env.device)
         if not dist.is_initialized():
             backend = "nccl" if env.device.type == "cuda" else "gloo"
             kwargs: dict[str, Any] = {}
@@ -158,60 +184,102 @@ class Comm:
                 kwargs["device_id"] = env.device
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
             timeout = timedelta(seconds=env.timeout_s)
-            dist.init_process_group(backend, store=_elastic_store(env, timeout), rank=env.rank,
-                                    world_size=env.world_size, timeout=timeout, **kwargs)
+            store = _elastic_store(env, timeout)
+            dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
+                                    timeout=timeout, **kwargs)
             atexit.register(_destroy_at_exit)  # join gloo/NCCL threads before the interpreter tears down
+            global _heartbeat
+            if env.peer_timeout_s > 0:
+                _heartbeat = Heartbeat(store, env.rank, env.world_size, env.peer_timeout_s, _abort_communicators)
         if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
             raise RuntimeError(
                 f"A process group already exists with rank {dist.get_rank()} of {dist.get_world_size()}, but this "
                 f"run expects rank {env.rank} of {env.world_size}."
             )
-        return cls(env.world_size, env.rank, timeout_s=env.timeout_s)
+        return cls(env.world_size, env.rank, timeout_s=env.timeout_s, device=env.device)
 
-    def subgroup(self, ranks: list[int], fresh: bool = False) -> Comm:
+    def subgroup(self, ranks: list[int], fresh: bool = False, control: bool = False) -> Comm:
         """A Comm over ``ranks`` (global ranks). Every rank must call this with the same list, in order.
         ``fresh``: a group of its own even when ``ranks`` is the whole world (point-to-point traffic on it then
-        never interleaves with another group's between the same ranks)."""
-        if self.world_size == 1 or (len(ranks) == self.world_size and not fresh):
-            return Comm(self.world_size, self.rank, self.group, self.ranks, self.timeout_s) if len(ranks) > 1 \
-                else Comm(timeout_s=self.timeout_s)
-        group = dist.new_group(ranks, timeout=timedelta(seconds=self.timeout_s))
+        never interleaves with another group's between the same ranks). ``control``: a gloo group on the host for
+        control-plane data (see ``control``)."""
+        device = torch.device("cpu") if control else self.device
+        alone = Comm(timeout_s=self.timeout_s, device=device)
+        if self.world_size == 1 or (len(ranks) == self.world_size and not (fresh or control)):
+            return Comm(self.world_size, self.rank, self.group, self.ranks, self.timeout_s, device) \
+                if len(ranks) > 1 else alone
+        options = {"backend": "gloo"} if control and self.device.type != "cpu" else {}  # on the CPU: gloo already
+        group = self._guard(dist.new_group, ranks, timeout=timedelta(seconds=self.timeout_s), **options)
         if self.rank not in ranks:
-            return Comm(timeout_s=self.timeout_s)
-        return Comm(len(ranks), ranks.index(self.rank), group, list(ranks), self.timeout_s)
+            return alone
+        return Comm(len(ranks), ranks.index(self.rank), group, list(ranks), self.timeout_s, device)
 
     def control(self) -> Comm:
         """A Comm over the same ranks for control-plane flags (preemption, checkpoint progress): a gloo group of
         its own, so its small all-reduces never wait on a GPU stream nor interleave with the strategy's
         collectives, and its bytes are counted apart from the algorithm's. Collective: every rank calls it."""
-        if not self.active:
-            return Comm(timeout_s=self.timeout_s)
-        group = self._guard(dist.new_group, self.ranks, timeout=timedelta(seconds=self.timeout_s), backend="gloo")
-        return Comm(self.world_size, self.rank, group, list(self.ranks), self.timeout_s)
+        return self.subgroup(self.ranks, control=True)
 
     @property
     def active(self) -> bool:
         return self.world_size > 1
 
-    def _count(self, kind: str, tensor: Tensor) -> None:
+    def _count(self, kind: str, tensor: Tensor, *others: Tensor) -> None:
+        """Count ``tensor``'s payload under ``kind``, after checking it (and ``others``) lives on this communicator's
+        device: NCCL takes only tensors on the rank's GPU, and gloo's leniency must not hide a strategy that
+        hands it host memory."""
+        for t in (tensor, *others):
+            if t.device != self.device:
+                why = "NCCL takes only tensors on the rank's GPU" if self.device.type == "cuda" else \
+                    "a communicator moves tensors of one device"
+                raise CommDeviceError(
+                    f"{kind} was handed a tensor on {t.device}, but this communicator works on {self.device} ({why}). "
+                    "This is a bug in the strategy that issued it; please report it with the traceback."
+                )
         self.stats.bytes[kind] += tensor.numel() * tensor.element_size()
         self.stats.calls[kind] += 1
+
+    def _failed(self, err: BaseException | str) -> PeerError:
+        verdict = _heartbeat.verdict() if _heartbeat is not None else None
+        cause = f"{verdict}." if verdict else ("another rank crashed, was killed, raised an error, or did not answer "
+                                              f"within timeout_s={self.timeout_s:g}.")
+        return PeerError(f"A collective across {self.world_size} ranks failed: {cause} Original error: {err}")
 
     def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         except (RuntimeError, dist.DistError) as err:
-            raise PeerError(
-                f"A collective across {self.world_size} ranks failed: another rank crashed, was killed, raised an "
-                f"error, or did not answer within timeout_s={self.timeout_s:g}. Original error: {err}"
-            ) from err
+            raise self._failed(err) from err
+        finally:
+            self.stats.wait_s += time.perf_counter() - start
+
+    def _wait(self, work: Any) -> None:
+        """Wait for ``work``. On gloo in one-second slices: a frozen peer keeps its connection open, so gloo alone
+        would wait ``timeout_s``; between slices a verdict of the heartbeat fails the wait at once. (NCCL's wait
+        does not block the host; the heartbeat aborts its communicators instead.)"""
+        if not self.ring or _heartbeat is None:
+            self._guard(work.wait)
+            return
+        start = time.perf_counter()
+        try:
+            while True:
+                try:
+                    work.wait(timeout=_SLICE)
+                    return
+                except RuntimeError as err:
+                    if _heartbeat.failure is not None or time.perf_counter() - start > self.timeout_s or \
+                            "timed out" not in str(err).lower():
+                        raise self._failed(err) from err
         finally:
             self.stats.wait_s += time.perf_counter() - start
 
     def _run(self, fn: Any, *args: Any, async_op: bool = False, **kwargs: Any) -> Handle:
-        work = self._guard(fn, *args, group=self.group, async_op=async_op, **kwargs)
-        return Handle(work, self) if async_op else _DONE
+        work = self._guard(fn, *args, group=self.group, async_op=True, **kwargs)
+        if async_op:
+            return Handle(work, self)
+        self._wait(work)
+        return _DONE
 
     # -- collectives -------------------------------------------------------------------------------
     def all_reduce(self, tensor: Tensor, op: str = "sum", async_op: bool = False) -> Handle:
@@ -228,7 +296,7 @@ class Comm:
         if not self.active:
             _copy_alone(output, input)
             return _DONE
-        self._count("reduce_scatter", input)
+        self._count("reduce_scatter", input, output)
         if self.ring and op == "sum":
             return self._drive(self._ring_reduce_scatter(output, input), async_op)
         return self._run(_reduce_scatter, output, input, op=_OPS[op], async_op=async_op)
@@ -238,7 +306,7 @@ class Comm:
         if not self.active:
             _copy_alone(output, input)
             return _DONE
-        self._count("all_gather", output)
+        self._count("all_gather", output, input)
         if self.ring:
             return self._drive(self._ring_all_gather(output, input), async_op)
         return self._run(_all_gather, output, input, async_op=async_op)
@@ -291,7 +359,7 @@ class Comm:
         if not self.active:
             _copy_alone(output, input)
             return _DONE
-        self._count("all_to_all", input)
+        self._count("all_to_all", input, output)
         if self.ring:
             return self._drive(self._pairwise_all_to_all(output, input), async_op)
         return self._run(dist.all_to_all_single, output, input, async_op=async_op)
@@ -326,15 +394,15 @@ class Comm:
                 t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
-    def send(self, tensor: Tensor, dst: int) -> Handle:
-        """Asynchronous point-to-point send to group rank ``dst``."""
+    def send(self, tensor: Tensor, dst: int, tag: int = 0) -> Handle:
+        """Asynchronous point-to-point send to group rank ``dst`` (``tag``: matched by gloo; NCCL matches by order)."""
         self._count("send", tensor)
-        return Handle(self._guard(dist.isend, tensor, dst=self.ranks[dst], group=self.group), self)
+        return Handle(self._guard(dist.isend, tensor, dst=self.ranks[dst], group=self.group, tag=tag), self)
 
-    def recv(self, tensor: Tensor, src: int) -> Handle:
+    def recv(self, tensor: Tensor, src: int, tag: int = 0) -> Handle:
         """Asynchronous point-to-point receive from group rank ``src``."""
         self._count("recv", tensor)
-        return Handle(self._guard(dist.irecv, tensor, src=self.ranks[src], group=self.group), self)
+        return Handle(self._guard(dist.irecv, tensor, src=self.ranks[src], group=self.group, tag=tag), self)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         if not self.active:
@@ -354,12 +422,14 @@ class Comm:
 
     def barrier(self) -> None:
         if self.active:
-            self._guard(dist.barrier, group=self.group)
+            self._run(dist.barrier)
 
-    def abort(self) -> None:
-        """Tear the process group down after a failure, so peers blocked on this rank fail fast instead of
-        waiting out the timeout."""
+    def abort(self, reason: str = "") -> None:
+        """Tear the process group down after a failure of this rank (``reason``), telling every peer through the
+        heartbeat, so peers blocked on this rank fail fast instead of waiting out the timeout."""
         if self.active and dist.is_initialized():
+            if _heartbeat is not None and reason:
+                _heartbeat.declare(f"rank {self.ranks[self.rank]} failed ({reason})")
             _destroy_at_exit()
             self.world_size = 1
 

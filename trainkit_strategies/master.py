@@ -14,12 +14,13 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 from trainkit_strategies import state as st
-from trainkit_strategies.base import sharded_norm
+from trainkit_strategies.base import Environment, sharded_norm
 from trainkit_strategies.flat import FlatBucket
 from trainkit_strategies.host_adam import ChunkedAdam, chunked_adam_supported
-from trainkit_strategies.memory import host_device
+from trainkit_strategies.hostcopy import host_buffer, synchronize
 
 _FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
@@ -46,8 +47,13 @@ class DeferredGradScale:
 
     def _apply_grad_mult(self) -> None:
         mult, self._grad_mult = self._grad_mult, 1.0
-        if not (isinstance(mult, float | int) and mult == 1.0):
-            torch._foreach_mul_(self.gradients(), mult)
+        if isinstance(mult, float | int) and mult == 1.0:
+            return
+        places: dict[torch.device, list[Tensor]] = {}
+        for g in self.gradients():  # offloaded shards live in host memory: the factor goes to them
+            places.setdefault(g.device, []).append(g)
+        for place, grads in places.items():
+            torch._foreach_mul_(grads, mult.to(place) if isinstance(mult, Tensor) else mult)
 
     def _take_grad_mult(self) -> float | Tensor:
         mult, self._grad_mult = self._grad_mult, 1.0
@@ -70,28 +76,33 @@ class MasterShards:
     Args:
         buckets: every bucket, in a fixed order; ``bucket.shard_start`` is assigned here.
         groups: number of optimizer param groups.
-        dtype: master dtype. device: compute device.
+        dtype: master dtype.
+        env: where the strategy runs (its device, and where host memory is).
         offload: keep pieces in host memory (all but the first ``1 - ratio`` of each group's shard).
-        grad_dtype: the dtype gradients arrive in; on a GPU, host pieces get pinned staging buffers of that
-            dtype (gradients cross the bus as they are, and are converted on the host).
-        low_dtype: the compute dtype; on a GPU, host pieces get pinned buffers where the step writes the
-            updated piece in it, for one bulk copy back per bucket.
+        grad_dtype: the dtype gradients reach the step in when they are on the device; where host memory is
+            separate, host pieces get page-locked staging of that dtype (gradients cross the bus as they are and
+            are converted on the host). None: the gradients are in host memory already (ZeRO-Offload's partition).
+        low_dtype: the compute dtype; where host memory is separate, host pieces get page-locked buffers where the
+            step writes the updated piece in it, for one bulk copy back per bucket.
+
+    Master pieces and the optimizer's state never cross the bus, so they are ordinary host memory; only the two
+    kinds of staging are page-locked, each at its exact size (``hostcopy.host_buffer``).
     """
 
-    def __init__(self, buckets: Sequence[FlatBucket], groups: int, dtype: torch.dtype, device: torch.device,
+    def __init__(self, buckets: Sequence[FlatBucket], groups: int, dtype: torch.dtype, env: Environment,
                  offload: bool = False, ratio: float = 1.0, grad_dtype: torch.dtype | None = None,
                  low_dtype: torch.dtype | None = None) -> None:
-        self.buckets, self.offload, self.device = list(buckets), offload, device
+        self.buckets, self.offload, self.env, self.device = list(buckets), offload, env, env.device
         self.pieces: dict[int, Tensor] = {}
         self.on_host: set[int] = set()
-        self.host_grad: dict[int, Tensor] = {}  # pinned staging of gradients arriving from the GPU
-        self.host_low: dict[int, Tensor] = {}  # pinned compute-dtype copies of updated host pieces, for the GPU
+        self.host_grad: dict[int, Tensor] = {}  # page-locked staging of gradients arriving from the device
+        self.host_low: dict[int, Tensor] = {}  # page-locked compute-dtype copies of updated host pieces
         self.flats: list[Tensor] = []  # every allocation, for memory reports
         self._written: set[int] = set()  # buckets whose compute-dtype copy the last step wrote in place
-        self._staged: set[int] = set()  # buckets whose pinned compute-dtype copy the last step wrote
+        self._staged: set[int] = set()  # buckets whose page-locked compute-dtype copy the last step wrote
         self._chunked: ChunkedAdam | None = None
         self.host_workers = torch.get_num_threads()  # threads for the host step (1 when it overlaps compute)
-        staged = offload and device.type == "cuda"
+        staged = offload and env.host_is_separate
         for g in range(groups):
             members = [b for b in self.buckets if b.group == g]
             total = sum(b.piece for b in members)
@@ -101,17 +112,17 @@ class MasterShards:
                 if not offload or sum(v.piece for v in on_device) + b.piece <= budget:
                     on_device.append(b)
             on_host = [b for b in members if b not in on_device]
-            for host, place, chosen in ((False, device, on_device), (True, host_device(device), on_host)):
+            for host, chosen in ((False, on_device), (True, on_host)):
                 size = sum(b.piece for b in chosen)
                 if not size:
                     continue
-                flat = torch.zeros(size, dtype=dtype, device=place, pin_memory=staged and host)
+                flat = host_buffer(size, dtype, env) if host else torch.zeros(size, dtype=dtype, device=self.device)
                 self.flats.append(flat)
                 extra = {}
                 if host and staged:
                     for name, kind in (("grad", grad_dtype), ("low", low_dtype)):
                         if kind is not None:
-                            extra[name] = torch.zeros(size, dtype=kind, device=place, pin_memory=True)
+                            extra[name] = host_buffer(size, kind, env, pinned=True)
                 offset = 0
                 for b in chosen:
                     self.pieces[b.index] = flat[offset : offset + b.piece]
@@ -127,18 +138,20 @@ class MasterShards:
         return self.pieces[bucket.index]
 
     def add_low_buffers(self, dtype: torch.dtype) -> None:
-        """Give host pieces compute-dtype buffers of their own (see ``separate_low``) if they have none."""
+        """Give host pieces compute-dtype buffers of their own if they have none: a step running beside the
+        forward (the delayed update) must not write the working parameters that forward reads."""
         for index in self.on_host - self.host_low.keys():
-            self.host_low[index] = torch.zeros(self.pieces[index].numel(), dtype=dtype,
-                                               device=host_device(self.device))
+            self.host_low[index] = host_buffer(self.pieces[index].numel(), dtype, self.env)
 
     def retarget(self, optimizer: Optimizer) -> None:
         """Point each param group at its buckets' pieces (one tensor per bucket), keeping its hyperparameters;
         under offload, use torch's fused kernel (CPU and CUDA) where the optimizer has one."""
         optimizer.state.clear()
+        fusable = set(_get_fused_kernels_supported_devices())
         for g, group in enumerate(optimizer.param_groups):
             group["params"] = [self.pieces[b.index] for b in self.buckets if b.group == g]
-            if self.offload and isinstance(optimizer, _FUSED) and "fused" in group:
+            places = {p.device.type for p in group["params"]}
+            if self.offload and isinstance(optimizer, _FUSED) and "fused" in group and places <= fusable:
                 group["fused"], group["foreach"] = True, False
         self._chunked = ChunkedAdam(optimizer, workers=self.host_workers) \
             if self.offload and chunked_adam_supported(optimizer) else None
@@ -157,11 +170,11 @@ class MasterShards:
         crossed = False
         for b in self.buckets:
             grad = grad_of(b)
-            if b.index in self.on_host and grad.device.type != "cpu":
+            if b.index in self.on_host and grad.device != self.env.host:
                 grad, crossed = transfer(self.host_grad[b.index], grad), True  # one bulk copy per bucket
             grads[b.index] = grad
         if crossed:
-            torch.cuda.current_stream().synchronize()  # the host reads what the copies wrote
+            synchronize(self.device)  # the host reads what the copies wrote
         stepped_by_torch = []
         for b in self.buckets:
             if chunked is not None and b.index in self.on_host:

@@ -23,13 +23,14 @@ hundred steps of warm-up; here it is on from the first step, or off).
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
-import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
 from trainkit_strategies.flat import FlatBucket
+from trainkit_strategies.hostcopy import CopyStream, host_buffer
 from trainkit_strategies.memory import MemoryReport
 from trainkit_strategies.precision import Precision
 from trainkit_strategies.zero import Zero2Strategy
@@ -67,7 +68,7 @@ class ZeroOffloadStrategy(Zero2Strategy):
             self._master.retarget(optimizer)
         if optimizer is not None and self.delayed_update:
             self._master.add_low_buffers(precision.working_dtype)  # the step must not write the params in use
-            self._spare = [torch.zeros_like(b) for b in self.grads.buffers]
+            self._spare = [host_buffer(b.numel(), b.dtype, self.env, pinned=True) for b in self.grads.buffers]
             self._worker = self._worker or ThreadPoolExecutor(1, thread_name_prefix="trainkit-offload-step")
 
     def optimizer_step(self) -> None:
@@ -82,7 +83,11 @@ class ZeroOffloadStrategy(Zero2Strategy):
         def piece(bucket: FlatBucket) -> Tensor:
             return grads[bucket.group][bucket.shard_start : bucket.shard_start + bucket.piece]
 
-        self._pending = self._worker.submit(self._master.step, self.optimizer, piece, mult)
+        def step(uploaded: Any) -> None:
+            CopyStream.synchronize(uploaded)  # the last step's parameters have left the buffers this step rewrites
+            self._master.step(self.optimizer, piece, mult)
+
+        self._pending = self._worker.submit(step, self._uploaded)
         self.sync_buffers()
 
     def _settle_step(self) -> None:

@@ -24,6 +24,7 @@ embedding and LM head) are kept in sync by summing their gradients across those 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -175,16 +176,21 @@ class PipelineStrategy(Strategy, RunsSchedule):
         dp = [self.comm.subgroup([d * stages + s for d in range(self.replicas)]) for s in range(stages)]
         pipes = [self.comm.subgroup([d * stages + s for s in range(stages)]) for d in range(self.replicas)]
         self.pipe = pipes[self.replica]
-        # one group per boundary between consecutive chunks k and k + 1, per replica, every rank creating each
-        self.boundaries: list[Comm] = []  # boundaries[k]: between chunks k and k + 1 (p2p traffic, counted here)
+        headers = [self.comm.subgroup([d * stages + s for s in range(stages)], control=True)
+                   for d in range(self.replicas)]
+        self.headers = headers[self.replica]  # the shapes crossing each boundary, on the host (gloo)
+        # one communicator per boundary between consecutive chunks k and k + 1 and per direction, per replica (every
+        # rank creating each): its two ends then issue their sends and receives in the same order (micro-batch
+        # order through that boundary), which NCCL needs (it matches them by order), whatever the schedule does
+        self.links: dict[tuple[int, str], Comm] = {}  # (k, "F" or "B") -> the pair's communicator, counted here
         for d in range(self.replicas):
             for k in range(stages * v - 1):
                 pair = [d * stages + rank_and_chunk(k, stages)[0], d * stages + rank_and_chunk(k + 1, stages)[0]]
-                group = self.comm.subgroup(pair, fresh=True)
-                if d == self.replica:
-                    self.boundaries.append(group)
-        inner_env = Environment(env.device, self.replica, self.replica, self.replicas, env.master_addr,
-                                env.master_port, env.timeout_s)
+                for direction in ("F", "B"):
+                    link = self.comm.subgroup(pair, fresh=True)
+                    if d == self.replica:
+                        self.links[(k, direction)] = link
+        inner_env = dataclasses.replace(env, rank=self.replica, local_rank=self.replica, world_size=self.replicas)
         if self.replicas > 1:
             options = {"prefetch": v == 1} if self.data_parallel == "fsdp" else {"bucket_mb": self.bucket_mb}
             self.inner = get_strategy(self.data_parallel, **options)  # fsdp: chunks run in turn, no one unit order
@@ -242,9 +248,7 @@ class PipelineStrategy(Strategy, RunsSchedule):
                 continue
             groups = [self.comm.subgroup([d * p + s for s in holders]) for d in range(self.replicas)]
             if self.stage in holders:
-                group = groups[self.replica]
-                group.broadcast(q.data, src=0)  # start equal: the first stage holding it decides
-                self._tied.append((q, group, self.stage == holders[0]))
+                self._tied.append((q, groups[self.replica], self.stage == holders[0]))
         if self._tied and self.replicas > 1 and self.data_parallel != "ddp":
             raise ValueError(f"pipeline: parameters shared across stages (e.g. a tied embedding and LM head) need "
                              f"data_parallel='ddp'; {self.data_parallel} shards their gradients before they can be "
@@ -252,7 +256,7 @@ class PipelineStrategy(Strategy, RunsSchedule):
         with torch.no_grad():
             for q in names:
                 if q not in rank_of or self.stage not in rank_of[q]:
-                    q.data = torch.empty(0, dtype=q.dtype, device=self.device)  # another stage's: never run here
+                    q.data = torch.empty(0, dtype=q.dtype, device=q.device)  # another stage's: never run here
         ks = [virtual_stage(self.stage, c, p) for c in range(v)]
         self._stage = _Chunks([layers[bounds[k] : bounds[k + 1]] for k in ks])
         self._virtual = ks  # chunk c is virtual stage ks[c]
@@ -264,15 +268,25 @@ class PipelineStrategy(Strategy, RunsSchedule):
             for group in optimizer.param_groups:
                 group["params"] = [q for q in group["params"] if q in kept]
         self.inner.setup(self._stage, optimizer, precision)
+        for q, group, _ in self._tied:  # start equal, on the device: the first stage holding it decides
+            group.broadcast(q.data, src=0)
+        self._place(module)  # what no stage holds: metric states, say
         self._actions = {}
         self._params = [[q for q in chunk.parameters() if q.requires_grad] for chunk in self._stage.chunks]
         # per chunk: activations in from the previous chunk and their gradients back to it; out to the next
-        # chunk and its gradients back from it, each on its boundary's group (peer: the other end of the pair)
+        # chunk and its gradients back from it, each on its boundary's link of that direction (peer: the other end
+        # of the pair), shape headers on the host group (peer: that end's stage), tagged by boundary and direction
         last = p * v - 1
-        self._recv_f = [Channel(self.boundaries[k - 1], 0, self.device) if k else None for k in ks]
-        self._send_b = [Channel(self.boundaries[k - 1], 0, self.device) if k else None for k in ks]
-        self._send_f = [Channel(self.boundaries[k], 1, self.device) if k < last else None for k in ks]
-        self._recv_b = [Channel(self.boundaries[k], 1, self.device) if k < last else None for k in ks]
+
+        def channel(k: int, direction: str, peer: int) -> Channel:
+            tag = 2 * k + (1 if direction == "F" else 2)
+            return Channel(self.links[(k, direction)], peer, self.device, self.headers,
+                           rank_and_chunk(k + peer, p)[0], tag)
+
+        self._recv_f = [channel(k - 1, "F", 0) if k else None for k in ks]
+        self._send_b = [channel(k - 1, "B", 0) if k else None for k in ks]
+        self._send_f = [channel(k, "F", 1) if k < last else None for k in ks]
+        self._recv_b = [channel(k, "B", 1) if k < last else None for k in ks]
 
     def _split(self, sizes: list[int]) -> list[int]:
         chunks = self.stages * self.virtual_stages
@@ -320,10 +334,10 @@ class PipelineStrategy(Strategy, RunsSchedule):
         keys = [_signature(c) for c in chunks]
         actions = self._schedule_for(len(chunks))
         last_k = self.stages * self.virtual_stages - 1
-        # the batch's mean loss, for progress bars and loggers on every stage: posted now, sent by the
-        # last stage as soon as its last forward is done, complete by the time this returns
-        mean = torch.empty(1, device=self.device)
-        broadcast = None if self.last else self.pipe.broadcast(mean, src=self.stages - 1, async_op=True)
+        # the batch's mean loss, for progress bars and loggers on every stage: the last stage has it after its last
+        # forward; it is broadcast once the stage-to-stage traffic is done (a collective crossing point-to-point
+        # operations in flight on other communicators can deadlock on NCCL)
+        mean = torch.zeros(1, device=self.device)
         arrivals: dict[int, list[int]] = {}  # per chunk, the micro-batches whose input arrives, in order
         for a in actions:
             if a.kind == "RECV_F":
@@ -366,8 +380,8 @@ class PipelineStrategy(Strategy, RunsSchedule):
                             items = items + n
                             out = loss * (n * weight)
                             if mb == len(chunks) - 1:
-                                mean.copy_((loss_sum / max(float(items), 1.0)).float().reshape(1))
-                                broadcast = self.pipe.broadcast(mean, src=self.stages - 1, async_op=True)
+                                count = items.clamp(min=1) if isinstance(items, Tensor) else max(items, 1.0)
+                                mean.copy_((loss_sum / count).float().reshape(1))
                     outputs[key] = out
                     held[key] = meter.bytes if meter else 0
                     live, live_bytes = live + 1, live_bytes + held[key]
@@ -402,8 +416,7 @@ class PipelineStrategy(Strategy, RunsSchedule):
         for handle in sends:
             handle.wait()
         self.activation_peak = {"micro_batches": peak, "bytes": peak_bytes}
-        assert broadcast is not None
-        broadcast.wait()
+        self.pipe.broadcast(mean, src=self.stages - 1)
         now = time.perf_counter()
         self.idle = {"wait_s": waited + now - before, "schedule_s": now - started}
         return mean[0], items
@@ -484,7 +497,7 @@ class PipelineStrategy(Strategy, RunsSchedule):
         self.inner.zero_grad()
 
     def comms(self) -> list[Comm]:
-        unique = {id(c): c for c in [self.comm, self.pipe, *self.boundaries, *self.inner.comms(),
+        unique = {id(c): c for c in [self.comm, self.pipe, self.headers, *self.links.values(), *self.inner.comms(),
                                      *(c for _, c, _ in self._tied)]}
         return list(unique.values())
 

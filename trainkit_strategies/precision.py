@@ -77,8 +77,10 @@ class Precision:
         return apply_to_collection(batch, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
     def forward_context(self, device: torch.device) -> contextlib.AbstractContextManager:
-        """Autocast for mixed policies; a no-op context otherwise."""
-        if self.compute_dtype is None:
+        """Autocast for mixed policies; a no-op context otherwise, and on a device autocast does not run on (the
+        meta device, where ``trainkit estimate`` and the device-rule tests set strategies up: no values exist there
+        to round, and its kernels take mixed dtypes)."""
+        if self.compute_dtype is None or not torch.amp.is_autocast_available(device.type):
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=self.compute_dtype)
 

@@ -143,13 +143,14 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         ordered += [b for u in self.units if u.root or u.persistent for b in layouts[u.index]]
         for index, layout in enumerate(ordered):
             layout.index = index
-        self._master = MasterShards(ordered, groups, self.precision.master_dtype, self.device, self.offload, self.ratio,
+        self._master = MasterShards(ordered, groups, self.precision.master_dtype, self.env, self.offload, self.ratio,
                                     grad_dtype=self.grad_dtype, low_dtype=self.precision.working_dtype)
         for unit in self.units:
             self._materialise(unit, layouts[unit.index])
         self.buckets = sorted((b for u in self.units for b in u.buckets), key=lambda b: b.index)
         self._bucket_of = {p: b for b in self.buckets for p in b.layout.params}
         self._grad_buffer = []
+        self._place(module)  # what no unit holds: metric states, say
         self.comm.broadcast_coalesced([b for b in module.buffers() if not b.is_meta])
         self._launcher = OrderedLauncher([sum(p.requires_grad for p in b.layout.params) for b in self.buckets],
                                          self._launch)
@@ -166,23 +167,28 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         """Give the unit's parameters their values (initialising meta ones in place in the unit's fp32
         buffer, so a unit exists once), keep this rank's pieces, and turn the parameters into views of the
         (freed) gather buffer."""
-        fulls = [torch.zeros(b.padded, dtype=torch.float32, device=self.device) for b in layouts]
-        homes = {p: view for b, full in zip(layouts, fulls, strict=True)
-                 for p, view in zip(b.params, b.param_views(full), strict=True)}
-        if any(p.is_meta for p in homes):
+        if any(p.is_meta and self.device.type != "meta" for b in layouts for p in b.params):
+            fulls = [torch.zeros(b.padded, dtype=torch.float32, device=self.device) for b in layouts]
+            homes = {p: view for b, full in zip(layouts, fulls, strict=True)
+                     for p, view in zip(b.params, b.param_views(full), strict=True)}
             assert self.module is not None
             self._replaced |= materialise_meta(self.module, homes, self._replayer, self.device)
+            for layout, full in zip(layouts, fulls, strict=True):
+                layout.params = [self._replaced.get(p, p) for p in layout.params]
+                for p, view in zip(layout.params, layout.param_views(full), strict=True):
+                    if p.data_ptr() != view.data_ptr():
+                        view.copy_(p.detach())
+        else:  # built already (in host memory, typically): one copy per bucket to the device
+            fulls = [b.flat_values(self.device) for b in layouts]
         for layout, full in zip(layouts, fulls, strict=True):
-            layout.params = [self._replaced.get(p, p) for p in layout.params]
-            for p, view in zip(layout.params, layout.param_views(full), strict=True):
-                if p.data_ptr() != view.data_ptr():
-                    view.copy_(p.detach())
             self.comm.broadcast(full, src=0)  # every rank starts from rank 0's values
             lo, hi = layout.piece_range(self.rank)
             master = self._master[layout]
             master.copy_(full[lo:hi])
             same = master.dtype == self.precision.working_dtype and master.device == self.device
-            shard = master if same else full[lo:hi].to(self.precision.working_dtype)
+            # a copy of its own: a view (what .to() returns when nothing changes) would keep the whole unit alive
+            shard = master if same else torch.empty(layout.piece, dtype=self.precision.working_dtype,
+                                                    device=self.device).copy_(full[lo:hi])
             gathered = torch.empty(layout.padded, dtype=self.precision.working_dtype, device=self.device)
             for p, view in zip(layout.params, layout.param_views(gathered), strict=True):
                 p.data, p.grad = view, None

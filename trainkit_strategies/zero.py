@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -36,8 +37,9 @@ from torch.optim import Optimizer
 from trainkit_strategies import state as st
 from trainkit_strategies.base import SelfReducing, Strategy
 from trainkit_strategies.flat import BucketReducer, FlatBucket, OrderedLauncher, pack
+from trainkit_strategies.hostcopy import CopyStream, host_buffer, mark
 from trainkit_strategies.master import DeferredGradScale, MasterShards, transfer
-from trainkit_strategies.memory import MemoryReport, host_device
+from trainkit_strategies.memory import MemoryReport
 from trainkit_strategies.onebit import SignReduceScatter
 from trainkit_strategies.precision import Precision
 
@@ -170,71 +172,78 @@ class OffloadedGradients(PartitionedGradients):
     """ZeRO-Offload's stage 2 (Ren et al., 2021, §4.1): the gradient partition lives in host memory, in the
     compute dtype, so the device holds only gradient buckets in flight.
 
-    Each bucket is reduce-scattered as backward fills it. On a CPU device the result lands in the host
-    partition directly. On a GPU it lands in one of two device scratch pieces, and as soon as it is there
-    one bulk non-blocking copy moves it, still in the compute dtype, to the pinned host partition on a side
-    stream while backward goes on with the next buckets (accumulation micro-steps after the first copy to a
-    pinned staging piece and add on the host). The host converts to fp32 chunk by chunk in the step
-    (``host_adam.py``); nothing crosses the bus converting dtype, and transfers are one per bucket.
+    Each bucket is reduce-scattered as backward fills it. Where host memory is the device's (a CPU run) the result
+    lands in the host partition directly. On a GPU it lands in one of two device scratch pieces, and one bulk
+    copy on a side stream moves it, still in the compute dtype, to the page-locked host partition while backward
+    goes on with the next buckets. An accumulation micro-step after the first copies into one of two page-locked
+    staging pieces instead, and a host thread adds it into the partition once the copy has landed, so backward
+    never waits for the bus (only for a staging piece whose previous add is still running). The host converts to
+    fp32 chunk by chunk in the step (``host_adam.py``); nothing crosses the bus converting dtype, and transfers
+    are one per bucket.
     """
 
     def __init__(self, strategy: ZeroStrategy) -> None:
         super().__init__(strategy)
-        self._cuda = strategy.device.type == "cuda"
-        self._scratch: list[Tensor] = []  # device pieces the reduce-scatter writes into (GPU only)
-        self._staging: Tensor | None = None  # host piece for accumulation micro-steps (GPU only)
-        self._copied: list[Any] = [None, None]  # per scratch piece: the event of its last copy to the host
+        self._staged = strategy.env.host_is_separate
+        self._scratch: list[Tensor] = []  # device pieces the reduce-scatter writes into (staged only)
+        self._staging: list[Tensor] = []  # page-locked host pieces of accumulating micro-steps (staged only)
+        self._copied: list[Any] = [None, None]  # per slot: the event of its last copy to the host
+        self._adding: list[Future | None] = [None, None]  # per slot: the host add of its last staged copy
         self._slot = 0
-        self._stream: Any = None
+        self._copies: CopyStream | None = None
+        self._adder: ThreadPoolExecutor | None = None
 
     def attach(self, group: _Group) -> None:
-        size = sum(b.piece for b in group.buckets)
-        self.buffers.append(torch.zeros(size, dtype=group.working.dtype, device=host_device(group.working.device),
-                                        pin_memory=self._cuda))
-        if self._cuda and not self._scratch:
+        env, dtype = self.strategy.env, group.working.dtype
+        self.buffers.append(host_buffer(sum(b.piece for b in group.buckets), dtype, env, pinned=True))
+        if self._staged and not self._scratch:
             largest = max(b.piece for b in self.strategy.buckets)
-            self._scratch = [torch.empty(largest, dtype=group.working.dtype, device=group.working.device)
-                             for _ in range(2)]
-            self._staging = torch.empty(largest, dtype=group.working.dtype, device="cpu", pin_memory=True)
-            self._stream = torch.cuda.Stream(device=group.working.device)
+            self._scratch = [torch.empty(largest, dtype=dtype, device=env.device) for _ in range(2)]
+            self._staging = [host_buffer(largest, dtype, env, pinned=True) for _ in range(2)]
+            self._copies = CopyStream(env.device)
+            self._adder = ThreadPoolExecutor(1, thread_name_prefix="trainkit-offload-accumulate")
 
     def launch(self, bucket: FlatBucket) -> None:
         strategy = self.strategy
         source = strategy.reducer.fill(bucket)
         accumulate = not self._first_micro_step
-        if not self._cuda:
+        if not self._staged:
             strategy.reducer.reduce(source, self.piece(bucket), accumulate=accumulate)
             return
         slot, self._slot = self._slot, 1 - self._slot
-        if self._copied[slot] is not None:  # the scratch piece's previous copy to the host has been read
-            torch.cuda.current_stream().wait_event(self._copied[slot])
+        CopyStream.wait(self._copied[slot])  # the scratch piece's previous copy to the host has read it
         scratch = self._scratch[slot][: bucket.piece]
         strategy.reducer.reduce(source, scratch, accumulate=False,
                                 on_done=lambda: self._to_host(bucket, scratch, slot, accumulate))
 
     def _to_host(self, bucket: FlatBucket, scratch: Tensor, slot: int, accumulate: bool) -> None:
-        ready = torch.cuda.Event()
-        ready.record()
-        self._stream.wait_event(ready)
-        with torch.cuda.stream(self._stream):
-            target = self._staging[: bucket.piece] if accumulate else self.piece(bucket)  # type: ignore[index]
+        assert self._copies is not None and self._adder is not None
+        pending = self._adding[slot]
+        if accumulate and pending is not None:
+            pending.result()  # the staging piece's previous add has read it
+        with self._copies.side():
+            target = self._staging[slot][: bucket.piece] if accumulate else self.piece(bucket)
             transfer(target, scratch)
-            done = torch.cuda.Event()
-            done.record()
-        self._copied[slot] = done
+            self._copied[slot] = landed = self._copies.mark()
         if accumulate:
-            done.synchronize()
-            self.piece(bucket).add_(target)
+            self._adding[slot] = self._adder.submit(self._add, landed, self.piece(bucket), target)
+
+    @staticmethod
+    def _add(landed: Any, piece: Tensor, staged: Tensor) -> None:
+        CopyStream.synchronize(landed)
+        piece.add_(staged)
 
     def end_window(self) -> None:
         super().end_window()
-        for event in self._copied:  # the host reads the partition next: every copy has landed
-            if event is not None:
-                event.synchronize()
+        for pending in self._adding:  # the host reads the partition next: every copy and add has landed
+            if pending is not None:
+                pending.result()
+        for event in self._copied:
+            CopyStream.synchronize(event)
+        self._adding = [None, None]
 
     def memory(self) -> dict[str, list[Tensor]]:
-        staging = [self._staging] if self._staging is not None else []
-        return {"device": list(self._scratch), "host": list(self.buffers) + staging}
+        return {"device": list(self._scratch), "host": list(self.buffers) + list(self._staging)}
 
 
 class ZeroStrategy(DeferredGradScale, Strategy):
@@ -268,6 +277,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         self._bucket_of: dict[Tensor, tuple[FlatBucket, int]] = {}
         self._hooks: list = []
         self._signs: SignReduceScatter | None = None  # a SelfReducing optimizer's 1-bit reduce-scatter
+        self._uploaded: Any = None  # event: the last step's parameter copies to the device have been issued
 
     @property
     def accepts_self_reducing(self) -> bool:  # type: ignore[override]
@@ -284,12 +294,15 @@ class ZeroStrategy(DeferredGradScale, Strategy):
 
     # -- setup ---------------------------------------------------------------------------------------
     def setup(self, module: nn.Module, optimizer: Optimizer | None, precision: Precision) -> None:
-        super().setup(module, optimizer, precision)
+        """Build the buckets bucket by bucket from wherever the parameters are (host memory, typically): the device
+        never holds more than the compute-dtype working parameters and one fp32 bucket, so a model whose fp32
+        weights do not fit on the device (what ZeRO-Offload is for) can start."""
         if optimizer is None:
+            super().setup(module, optimizer, precision)
             return
+        self._bind(module, optimizer, precision)
         for handle in self._hooks:
             handle.remove()
-        self.comm.broadcast_coalesced([*module.parameters(), *module.buffers()])
         names = st.param_names(module)
         # frozen parameters stay whole and untouched, as the optimizer would leave them (grad None)
         group_of = {p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"] if p.requires_grad}
@@ -298,11 +311,15 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         for index, bucket in enumerate(self.buckets):
             bucket.index = index
         working, master = self.precision.working_dtype, self.precision.master_dtype
-        self._master = MasterShards(self.buckets, len(optimizer.param_groups), master, self.device,
-                                    self.offload, self.ratio, grad_dtype=working, low_dtype=working)
         self.grads = self._layout()
+        self._master = MasterShards(self.buckets, len(optimizer.param_groups), master, self.env, self.offload,
+                                    self.ratio, grad_dtype=working if self._grads_on_device() else None,
+                                    low_dtype=working)
         self.groups = [self._build_group([b for b in self.buckets if b.group == g])
                         for g in range(len(optimizer.param_groups))]
+        bucketed = set(group_of)
+        self._place(module)  # frozen parameters, buffers, metric states
+        self.comm.broadcast_coalesced([p for p in module.parameters() if p not in bucketed] + list(module.buffers()))
         self._bucket_of = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.launcher = OrderedLauncher([len(b.params) for b in self.buckets], self._launch)
         self.reducer = BucketReducer(self.comm, working, self.device, max(b.padded for b in self.buckets))
@@ -310,15 +327,18 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._bucket_of]
         self._signs = SignReduceScatter(optimizer.error_feedback) if isinstance(optimizer, SelfReducing) else None
 
+    def _grads_on_device(self) -> bool:
+        """Whether reduced gradients reach the step on the device (every layout but ZeRO-Offload's host partition)."""
+        return not isinstance(self.grads, OffloadedGradients)
+
     def _build_group(self, buckets: list[FlatBucket]) -> _Group:
         dtype = self.precision.working_dtype
         group = _Group(buckets, torch.zeros(sum(b.padded for b in buckets), dtype=dtype, device=self.device))
         start = 0
         for b in buckets:
             b.start = start
-            full = torch.zeros(b.padded, dtype=torch.float32, device=self.device)
-            for p, view in zip(b.params, b.param_views(full), strict=True):
-                view.copy_(p.detach())  # the master starts from the fp32 original, not its rounding
+            full = b.flat_values(self.device)  # the master starts from the fp32 original, not its rounding
+            self.comm.broadcast(full, src=0)  # every rank starts from rank 0's values
             lo, hi = b.piece_range(self.rank)
             self._master[b].copy_(full[lo:hi])
             working = group.working[start : start + b.padded]
@@ -380,6 +400,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
                 mine = self._working_piece(b)
                 self._master.write_low(b, mine)
                 handles.append(self.comm.all_gather(g.working[b.start : b.start + b.padded], mine, async_op=True))
+        self._uploaded = mark(self.device)  # the host may overwrite what the copies up read once this has passed
         for h in handles:
             h.wait()
 

@@ -11,8 +11,9 @@ from trainkit.demo.gpt import DemoGPT
 
 
 class DiesAtStep(DemoGPT):
-    """Rank ``rank`` kills itself (SIGKILL), raises, hangs, or receives SIGTERM (``term``: once per working
-    directory, so the same command run again continues) when training reaches ``step``."""
+    """Rank ``rank`` kills itself (SIGKILL), raises, hangs, freezes (SIGSTOP: alive to the operating system and its
+    connections open, but silent, as a peer dead inside NCCL kernels looks to the others), or receives SIGTERM
+    (``term``: once per working directory, so the same command run again continues) when training reaches ``step``."""
 
     def __init__(self, rank: int = 1, step: int = 15, how: str = "kill", **kwargs) -> None:
         super().__init__(**kwargs)
@@ -25,6 +26,8 @@ class DiesAtStep(DemoGPT):
                 os.kill(os.getpid(), signal.SIGKILL)
             elif how == "raise":
                 raise RuntimeError("injected failure")
+            elif how == "freeze":
+                os.kill(os.getpid(), signal.SIGSTOP)
             elif how == "term":
                 marker = Path(f".terminated-rank{rank}")
                 if not marker.exists():

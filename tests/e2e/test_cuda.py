@@ -18,7 +18,7 @@ from tests.parity.harness import FP32, Case, assert_parity, run_case, run_refere
 from trainkit.activation import apply_activation_checkpointing
 from trainkit.callbacks import ModelCheckpoint
 from trainkit.demo.gpt import Block, GPTConfig, TinyGPT
-from trainkit_strategies import get_strategy
+from trainkit_strategies import Environment, Precision, get_strategy
 
 pytestmark = pytest.mark.cuda
 CUDA = torch.device("cuda", 0)
@@ -73,7 +73,11 @@ def test_autocast_and_loss_scaling_match_torch_amp(tmp_path, precision, dtype):
         assert trainer.scaler.scale == scale
 
 
-def test_offload_keeps_master_and_optimizer_state_in_pinned_host_memory(tmp_path):
+def test_offload_pins_only_what_crosses_the_bus_at_its_exact_size(tmp_path):
+    """Master weights and Adam state stay in ordinary host memory (they never cross the bus: pinning them would
+    cost 12 bytes a parameter of page-locked memory for nothing); the gradient partition and the compute-dtype
+    copies that do cross are page-locked, each at exactly its size (torch's pinned allocator would round it up
+    to a power of two)."""
     module = Regression(dim=64, hidden=256)
     strategy = get_strategy("zero_offload")
     trainer = quiet_trainer(tmp_path, accelerator="cuda", strategy=strategy, precision="bf16-mixed", max_steps=3)
@@ -81,11 +85,32 @@ def test_offload_keeps_master_and_optimizer_state_in_pinned_host_memory(tmp_path
     state = [t for s in strategy.optimizer.state.values() for t in s.values() if t.dim() > 0]
     pieces = [p for g in strategy.optimizer.param_groups for p in g["params"]]
     assert pieces and state
-    assert all(t.device.type == "cpu" and t.is_pinned() for t in pieces + state)
+    assert all(t.device.type == "cpu" and not t.is_pinned() for t in pieces + state)
+    crossing = list(strategy.grads.buffers) + list(strategy._master.host_low.values())
+    assert crossing and all(t.is_pinned() for t in crossing)
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in strategy.grads.buffers)
+    assert not strategy._master.host_grad  # the partition is on the host already: no staging of gradients
     report = strategy.memory_report()
     assert report.device["master"] == 0 and report.device["optimizer"] == 0
     assert report.host["master"] > 0 and report.host["optimizer"] >= 2 * report.host["master"]
     assert all(p.device.type == "cuda" and p.dtype == torch.bfloat16 for p in module.parameters())
+
+
+def test_zero_offload_setup_never_holds_the_fp32_model_on_the_gpu(tmp_path):
+    """A model built in host memory reaches the GPU bucket by bucket: the setup peak is the bf16 working copy plus
+    one fp32 bucket, far below the 4 bytes a parameter of the fp32 model (the old setup moved it whole first)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(16)])  # 16.8M parameters, 67 MB
+    psi = sum(p.numel() for p in model.parameters())
+    strategy = get_strategy("zero_offload", bucket_mb=4)
+    strategy.setup_environment(Environment(device=CUDA))
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    strategy.setup(model, torch.optim.AdamW(model.parameters()), Precision.from_name("bf16-mixed"))
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak < 2 * psi + 3 * 4 * 2**20 + 2**20, f"setup peak {peak} B for {psi} parameters"
+    assert peak < 4 * psi
 
 
 def test_activation_checkpointing_on_cuda_halves_saved_bytes_with_the_same_grads():

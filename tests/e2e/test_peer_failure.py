@@ -32,14 +32,20 @@ def run(root: Path, *args: str, timeout: float = 300) -> tuple[subprocess.Comple
     return proc, time.monotonic() - start
 
 
-@pytest.mark.parametrize(("how", "timeout_s"), [("kill", 60), ("raise", 60), ("hang", 10)])
-def test_failed_peer_stops_the_run_with_a_clear_error(tmp_path, how, timeout_s):
+@pytest.mark.parametrize(("how", "timeout_s", "names"), [
+    ("kill", 60, ""), ("raise", 60, "rank 1 failed (RuntimeError: injected failure)"), ("hang", 10, ""),
+    # frozen: gloo alone would wait timeout_s (600 s) as NCCL does for a dead peer; the heartbeat notices in seconds
+    ("freeze", 600, "rank 1 stopped answering: no heartbeat for"),
+])
+def test_failed_peer_stops_the_run_with_a_clear_error(tmp_path, how, timeout_s, names):
     proc, elapsed = run(tmp_path, "--model", "tests.e2e.faulty.DiesAtStep", "--model.how", how,
-                        "--model.step", "15", "--trainer.timeout_s", str(timeout_s))
+                        "--model.step", "15", "--trainer.timeout_s", str(timeout_s), "--trainer.peer_timeout_s", "5")
     assert proc.returncode != 0
     assert "A collective across 2 ranks failed" in proc.stderr, proc.stderr[-3000:]
+    assert names in proc.stderr, proc.stderr[-3000:]
     assert "is intact: resume with --ckpt_path last" in proc.stderr
-    assert elapsed < 45 + 2 * timeout_s, f"took {elapsed:.0f} s"
+    limit = 45 + 2 * timeout_s if how != "freeze" else 60  # rank 0 stops the frozen rank 15 s after it fails
+    assert elapsed < limit, f"took {elapsed:.0f} s"
     latest = tmp_path / "checkpoints" / "epoch=0-step=10"
     assert (tmp_path / "checkpoints" / "latest").read_text() == latest.name
     assert CheckpointReader(latest).meta["loop"]["global_step"] == 10
