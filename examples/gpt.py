@@ -76,12 +76,13 @@ class TextData(DataModule):
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")
         return DataLoader(ByteWindows(self._splits["train"], self.block_size, self.stride),
-                          batch_size=self.batch_size, shuffle=True, drop_last=True, num_workers=self.num_workers)
+                          batch_size=self.batch_size, shuffle=True, drop_last=True, num_workers=self.num_workers,
+                          pin_memory=torch.cuda.is_available())  # pinned: copies to the GPU overlap compute
 
     def val_dataloader(self) -> DataLoader:
         self.setup("validate")
         return DataLoader(ByteWindows(self._splits["val"], self.block_size, self.block_size),
-                          batch_size=self.batch_size, num_workers=self.num_workers)
+                          batch_size=self.batch_size, num_workers=self.num_workers, pin_memory=torch.cuda.is_available())
 
 
 class TextGPT(DemoGPT):

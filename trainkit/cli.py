@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, lazy_instance
@@ -84,6 +84,9 @@ def build_parser(model_class: type[TrainModule] | None = None,
                                  help="Machines (default: --trainer.num_nodes).")
     estimate_parser.add_argument("--device_memory", type=str | None, default=None,
                                  help='Memory of one device, e.g. "80GB" (default: the GPU\'s, if there is one).')
+    estimate_parser.add_argument("--device_type", type=Literal["cpu", "cuda"] | None, default=None,
+                                 help="Plan a run on this kind of device (default: --trainer.accelerator's); cuda plans "
+                                      "a GPU run from any machine (offload's page-locked copies, device scratch).")
     subcommands.add_subcommand("estimate", estimate_parser, help=TOOLS["estimate"])
     subcommands.add_subcommand("export", _export_parser(), help=TOOLS["export"])
     return parser
@@ -112,9 +115,9 @@ def _estimate(parser: ArgumentParser, cfg: Namespace, sub_parser: ArgumentParser
     try:
         batch = one_batch(model, data)
         world = (sub_cfg.devices_per_node or args.devices) * (sub_cfg.nodes or args.num_nodes)
-        device_type = Environment.accelerator_type(args.accelerator)
+        device_type = sub_cfg.device_type or Environment.accelerator_type(args.accelerator)
         memory = sub_cfg.device_memory
-        if memory is None and device_type == "cuda":
+        if memory is None and device_type == "cuda" and torch.cuda.is_available():
             memory = torch.cuda.get_device_properties(0).total_memory
         plan = estimate(model, batch, world_size=world, precision=args.precision, device_memory=memory,
                         activation_checkpointing=args.activation_checkpointing, device_type=device_type)

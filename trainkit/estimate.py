@@ -29,6 +29,7 @@ from trainkit.optim import parse_optimizers
 from trainkit.step import unpack_output
 from trainkit_strategies import ActivationMeter, Environment, Precision, SelfReducing, get_strategy
 from trainkit_strategies.comm import Comm
+from trainkit_strategies.memory import LiveBytes
 from trainkit_strategies.fsdp import FSDPStrategy
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero_offload", "zero3", "fsdp", "pipeline")
@@ -72,15 +73,21 @@ class StrategyEstimate:
     comm: int = 0  # payload per optimizer step
     detail: dict[str, int] = field(default_factory=dict)  # device bytes by category
     note: str = ""  # the pipeline's stage split, or why the strategy does not apply
+    setup: int = 0  # device bytes at the peak of setup (measured while the strategy builds its buckets or shards)
+    pinned: int = 0  # the page-locked part of ``host`` (what crosses the bus)
 
     @property
     def applies(self) -> bool:
         return not self.note.startswith("n/a")
 
+    def need(self, checkpointed: bool = False) -> int:
+        """Device bytes for training: model state plus one micro-batch's activations (checkpointed or not), or the
+        setup's peak when that is higher."""
+        return max(self.setup, self.device + (self.activations_checkpointed if checkpointed else self.activations))
+
     @property
     def peak(self) -> int:
-        """Device bytes for training: model state plus one micro-batch's activations."""
-        return self.device + self.activations
+        return self.need()
 
 
 @dataclass(frozen=True)
@@ -102,15 +109,16 @@ class Estimate:
     def table(self) -> str:
         lines = [f"{_count(self.parameters)} parameters, {self.world_size} rank(s), precision {self.precision}"
                  + (f", device memory {human(self.device_memory)}" if self.device_memory else ""),
-                 f"{'strategy':<13}{'device state':>14}{'host state':>12}{'activations':>13}{'(ckpt)':>11}"
-                 f"{'comm/step':>12}  fits  note"]
+                 f"{'strategy':<13}{'device state':>14}{'host state':>12}{'(pinned)':>11}{'activations':>13}"
+                 f"{'(ckpt)':>11}{'setup peak':>12}{'comm/step':>12}  fits  note"]
         for r in self.rows:
             fits = {True: "yes", False: "no", None: "-"}[self.fits(r)]
             if not r.applies:
-                lines.append(f"{r.strategy:<13}{'':>72}  {'-':<4}  {r.note}")
+                lines.append(f"{r.strategy:<13}{'':>95}  {'-':<4}  {r.note}")
                 continue
-            lines.append(f"{r.strategy:<13}{human(r.device):>14}{human(r.host):>12}{human(r.activations):>13}"
-                         f"{human(r.activations_checkpointed):>11}{human(r.comm):>12}  {fits:<4}  {r.note}")
+            lines.append(f"{r.strategy:<13}{human(r.device):>14}{human(r.host):>12}{human(r.pinned):>11}"
+                         f"{human(r.activations):>13}{human(r.activations_checkpointed):>11}{human(r.setup):>12}"
+                         f"{human(r.comm):>12}  {fits:<4}  {r.note}")
         return "\n".join(lines)
 
 
@@ -173,15 +181,23 @@ def _comm_bytes(strategy: Any) -> int:
 
 
 def _activations(module: nn.Module, batch: Any, precision: Precision, device_type: str,
-                 policy: Sequence[type[nn.Module]] | Callable[[nn.Module], bool] | None) -> tuple[int, int]:
+                 policy: Sequence[type[nn.Module]] | Callable[[nn.Module], bool] | None,
+                 dtypes: dict[str, torch.dtype] | None = None) -> tuple[int, int]:
     """Bytes saved for backward by one ``training_step`` on ``batch``, plain and checkpointed, traced with fake
-    tensors on ``device_type`` (so autocast applies as it will; no memory is used)."""
+    tensors on ``device_type`` (so autocast applies as it will; no memory is used), with each parameter in the
+    dtype ``dtypes`` gives it (what a strategy computes with: under bf16-mixed ddp keeps fp32 parameters, whose
+    bf16 copies autocast saves for backward, where the ZeRO stages and FSDP compute with bf16 working parameters
+    and save nothing extra), and the batch as the precision feeds it (bf16 under "bf16-true")."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     def trace(model: nn.Module) -> int:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             model.to_empty(device=device_type)
+            for name, p in model.named_parameters():
+                if dtypes is not None and name in dtypes and p.dtype != dtypes[name]:
+                    p.data = p.data.to(dtypes[name])
             fake = apply_to_collection(batch, torch.Tensor, lambda t: mode.from_tensor(t.to(device_type)))
+            fake = precision.convert_input(fake)
             model.train()
             with ActivationMeter(exclude=model.parameters()) as meter, \
                     precision.forward_context(torch.device(device_type)):
@@ -201,17 +217,19 @@ def _activations(module: nn.Module, batch: Any, precision: Precision, device_typ
 
 
 def _setup(name: str, module: nn.Module, precision: Precision, world_size: int, rank: int, batch: Any,
-           device_type: str = "cpu", **options: Any) -> Any:
+           device_type: str = "cpu", **options: Any) -> tuple[Any, int]:
     """``name`` set up on a meta copy of ``module`` as rank ``rank`` of ``world_size``, after one backward on the
     meta device (buffers a strategy allocates on first use exist then, as in a run) and with the optimizer state
-    its first step creates. Host memory is on the meta device too; on ``device_type`` "cuda" it is laid out as
-    apart from the device's (offload's device scratch and page-locked copies)."""
+    its first step creates; and the most device bytes its setup held at once. Host memory is on the meta device too;
+    on ``device_type`` "cuda" it is laid out as apart from the device's (offload's device scratch and page-locked
+    copies)."""
     model = meta_copy(module)
     strategy = get_strategy(name, **options)
     env = Environment(device=META, rank=rank, local_rank=rank, world_size=world_size, host=META,
                       separate_host=device_type == "cuda")
     strategy.setup_environment(env, comm=Comm(device=META))  # the layouts of world_size ranks, no communication
-    strategy.setup(model, _optimizer(model), precision)
+    with LiveBytes(META) as setup:
+        strategy.setup(model, _optimizer(model), precision)
     if name != "pipeline":  # its schedule exchanges activations, which a meta rank has nobody to send to
         model.train()
         loss, _ = unpack_output(model.training_step(apply_to_collection(batch, torch.Tensor, lambda t: t.to(META)), 0))
@@ -220,7 +238,7 @@ def _setup(name: str, module: nn.Module, precision: Precision, world_size: int, 
             strategy.reduce_gradients(1.0)
     if strategy.optimizer is not None:
         _init_state(strategy.optimizer)
-    return strategy
+    return strategy, setup.peak
 
 
 def estimate(module: nn.Module, batch: Any, world_size: int = 1, precision: str = "32",
@@ -240,7 +258,8 @@ def estimate(module: nn.Module, batch: Any, world_size: int = 1, precision: str 
     module = meta_copy(module)
     module.configure_model()
     policy = Precision.from_name(precision)
-    plain, checkpointed = _activations(module, batch, policy, device_type, activation_checkpointing)
+    trace_on = device_type if device_type == "cpu" or torch.cuda.is_available() else "cpu"
+    traced: dict[tuple, tuple[int, int]] = {}  # per set of parameter dtypes a strategy computes with
     rows = []
     optimizer = type(_optimizer(meta_copy(module)))
     for name in strategies:
@@ -250,19 +269,24 @@ def estimate(module: nn.Module, batch: Any, world_size: int = 1, precision: str 
         if issubclass(optimizer, SelfReducing) and not get_strategy(name).accepts_self_reducing:
             rows.append(StrategyEstimate(name, note=f"n/a: {optimizer.__name__} does not run under {name}"))
             continue
-        strategy = _heaviest(name, module, policy, world_size, batch, device_type)
+        strategy, setup_peak = _heaviest(name, module, policy, world_size, batch, device_type)
+        dtypes = {n: p.dtype for n, p in strategy.module.named_parameters()}
+        key = tuple(sorted((n, str(d)) for n, d in dtypes.items()))
+        if key not in traced:
+            traced[key] = _activations(module, batch, policy, trace_on, activation_checkpointing, dtypes)
+        plain, checkpointed = traced[key]
         report = strategy.memory_report()
         note = f"{strategy.stages} stages x {strategy.replicas} replicas, layers {strategy.stage_sizes}" \
             if name == "pipeline" else ""
         rows.append(StrategyEstimate(name, report.device_total, report.host_total, plain, checkpointed,
-                                     _comm_bytes(strategy), dict(report.device), note))
+                                     _comm_bytes(strategy), dict(report.device), note, setup_peak, report.pinned))
     params = sum(p.numel() for p in module.parameters())
     memory = parse_bytes(device_memory) if device_memory is not None else None
     return Estimate(params, world_size, policy.name, rows, memory)
 
 
 def _heaviest(name: str, module: nn.Module, precision: Precision, world_size: int, batch: Any,
-              device_type: str) -> Any:
+              device_type: str) -> tuple[Any, int]:
     """The strategy as set up on the rank that holds the most: not rank 0 (uneven shards' padding lands on the
     last ranks), and under pipeline the heaviest stage, with as many stages as the world and the layers allow."""
     if name != "pipeline":
@@ -271,7 +295,7 @@ def _heaviest(name: str, module: nn.Module, precision: Precision, world_size: in
     stages = max(d for d in range(1, world_size + 1) if world_size % d == 0 and d <= layers)
     setups = [_setup(name, module, precision, world_size, rank, batch, device_type, stages=stages)
               for rank in range(stages)]
-    return max(setups, key=lambda s: s.memory_report().device_total)
+    return max(setups, key=lambda s: s[0].memory_report().device_total)
 
 
 def one_batch(module: nn.Module, data: Any = None) -> Any:
@@ -296,19 +320,18 @@ def choose(plan: Estimate, checkpointing: bool) -> StrategyEstimate:
     assert plan.device_memory is not None
     limit = HEADROOM * plan.device_memory
 
-    def need(row: StrategyEstimate) -> int:
-        return row.device + (row.activations_checkpointed if checkpointing else row.activations)
-
     rows = [row for row in (plan.row(name) for name in AUTO_ORDER) if row.applies]
     for row in rows:
-        if need(row) <= limit:
+        if row.need(checkpointing) <= limit:
             return row
-    smallest = min(rows, key=need)
+    smallest = min(rows, key=lambda row: row.need(checkpointing))
+    activations = smallest.activations_checkpointed if checkpointing else smallest.activations
     raise ValueError(
         f"No strategy fits in {human(plan.device_memory)} per device ({int(HEADROOM * 100)}% usable): the smallest "
-        f"plan is {smallest.strategy} with {human(need(smallest))} per rank (model state {human(smallest.device)}, "
-        f"activations {human(need(smallest) - smallest.device)}) at {plan.world_size} ranks. Use more devices, "
-        "activation checkpointing, a smaller batch, or another strategy by name (zero3, pipeline).")
+        f"plan is {smallest.strategy} with {human(smallest.need(checkpointing))} per rank (model state "
+        f"{human(smallest.device)}, activations {human(activations)}, setup peak {human(smallest.setup)}) at "
+        f"{plan.world_size} ranks. Use more devices, activation checkpointing, a smaller batch, or another strategy "
+        "by name (zero3, pipeline).")
 
 
 def device_memory_of(device: torch.device) -> int:

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from trainkit_strategies.memory import page_locked, planned_host
+
 if TYPE_CHECKING:
     from trainkit_strategies.base import Environment
 
@@ -35,6 +37,10 @@ def host_buffer(numel: int, dtype: torch.dtype, env: Environment, pinned: bool =
     tensor = torch.zeros(numel, dtype=dtype, device=env.host)
     if pinned and env.device.type == "cuda" and numel:
         _page_lock(tensor)
+    if pinned and env.host_is_separate:
+        page_locked.add(tensor.untyped_storage())
+    if env.host.type == "meta":
+        planned_host.add(tensor.untyped_storage())
     return tensor
 
 

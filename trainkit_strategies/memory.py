@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 
 @dataclass(frozen=True)
@@ -16,11 +19,12 @@ class MemoryReport:
 
     Categories: ``params`` (working parameters), ``grads``, ``master`` (fp32 master copies kept beside
     low-precision params), ``optimizer`` (optimizer state), ``buffers``. Tensors sharing a storage are
-    counted once.
+    counted once. ``pinned``: the part of the host bytes that is page-locked (what crosses the bus under offload).
     """
 
     device: dict[str, int]
     host: dict[str, int]
+    pinned: int = 0
 
     @property
     def device_total(self) -> int:
@@ -33,8 +37,10 @@ class MemoryReport:
     @classmethod
     def of(cls, device: dict[str, Iterable[Tensor]], host: dict[str, Iterable[Tensor]] | None = None) -> MemoryReport:
         seen: set[object] = set()
+        pinned = 0
 
-        def count(tensors: Iterable[Tensor]) -> int:
+        def count(tensors: Iterable[Tensor], on_host: bool = False) -> int:
+            nonlocal pinned
             total = 0
             for t in tensors:
                 storage = t.untyped_storage()
@@ -43,15 +49,54 @@ class MemoryReport:
                     continue
                 seen.add(key)
                 total += storage.nbytes()
+                if on_host and storage in page_locked:
+                    pinned += storage.nbytes()
             return total
 
-        return cls({k: count(v) for k, v in device.items()}, {k: count(v) for k, v in (host or {}).items()})
+        device_bytes = {k: count(v) for k, v in device.items()}
+        host_bytes = {k: count(v, on_host=True) for k, v in (host or {}).items()}
+        return cls(device_bytes, host_bytes, pinned)
 
 
-def host_device(device: torch.device) -> torch.device:
-    """Where a strategy computing on ``device`` keeps host memory: the CPU, or the meta device when the strategy
-    is only being measured (``trainkit estimate`` sets strategies up on meta tensors)."""
-    return torch.device("meta") if device.type == "meta" else torch.device("cpu")
+page_locked: weakref.WeakSet = weakref.WeakSet()  # storages of host buffers page-locked for the bus (hostcopy.py)
+planned_host: weakref.WeakSet = weakref.WeakSet()  # host storages of strategies planned on the meta device
+
+
+class LiveBytes(TorchDispatchMode):
+    """The most bytes alive at once in storages created on ``device`` while active (meta and fake tensors count their
+    size; a storage resized to nothing counts nothing), leaving out host memory planned on the meta device
+    (``planned_host``): what a strategy's setup holds on the device at its peak, measured by ``trainkit estimate``
+    on meta tensors. Tensors that existed before are not counted."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.peak = 0
+        self._storages: dict[object, weakref.ref] = {}
+
+    def _live(self) -> int:
+        total = 0
+        for key, ref in list(self._storages.items()):
+            storage = ref()
+            if storage is None:
+                del self._storages[key]
+            elif storage not in planned_host:
+                total += storage.nbytes()
+        return total
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.peak = max(self.peak, self._live())
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, Tensor) and t.device.type == self.device.type:
+                key, ref = _storage_key(t), self._storages.get(_storage_key(t))
+                if ref is None or ref() is None:
+                    self._storages[key] = weakref.ref(t.untyped_storage())
+        return out
+
+    def __exit__(self, *exc: object) -> None:
+        self.peak = max(self.peak, self._live())
+        super().__exit__(*exc)
 
 
 def _storage_key(t: Tensor) -> object:

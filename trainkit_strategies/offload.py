@@ -110,8 +110,9 @@ class ZeroOffloadStrategy(Zero2Strategy):
     def memory_report(self) -> MemoryReport:
         self._settle_step()
         report = super().memory_report()
-        spare = sum(t.untyped_storage().nbytes() for t in self._spare)
-        return MemoryReport(report.device, {**report.host, "grads": report.host["grads"] + spare})
+        spare = sum(t.untyped_storage().nbytes() for t in self._spare)  # page-locked, as the partition it swaps with
+        pinned = spare if self.env.host_is_separate else 0
+        return MemoryReport(report.device, {**report.host, "grads": report.host["grads"] + spare}, report.pinned + pinned)
 
     def teardown(self) -> None:
         self._settle_step()

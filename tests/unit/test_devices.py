@@ -167,3 +167,37 @@ def test_a_rank_past_the_last_gpu_is_refused(one_gpu):
 def test_cpu_runs_any_number_of_ranks_on_a_gpu_machine(one_gpu):
     Environment.check_gpu_count(4, "cpu")  # gloo on the CPU: no GPU needed
 
+
+
+def test_mfu_peak_follows_what_the_matrix_products_run_on(monkeypatch):
+    """bf16 on tensor cores; fp32 on TF32 tensor cores only when the matmul precision allows it, else plain fp32
+    (an H100's fp32 MFU would read about 7x low against the TF32 peak); a V100 has no TF32."""
+    from trainkit.callbacks.throughput import peak_flops_of
+
+    gpu = torch.device("cuda", 0)
+    assert peak_flops_of(gpu, torch.bfloat16, "NVIDIA H100 80GB HBM3") == 989.4e12
+    assert peak_flops_of(gpu, torch.float32, "NVIDIA H100 80GB HBM3", "highest") == 66.9e12
+    assert peak_flops_of(gpu, torch.float32, "NVIDIA H100 80GB HBM3", "high") == 494.7e12
+    assert peak_flops_of(gpu, torch.float32, "Tesla V100-SXM2-32GB", "high") == 15.7e12
+    assert peak_flops_of(gpu, torch.float32, "Some Future GPU", "high") is None
+    assert peak_flops_of(torch.device("cpu"), torch.float32) is None
+
+
+def test_float32_matmul_precision_is_a_trainer_option_and_idle_tensor_cores_are_named(monkeypatch):
+    from trainkit.trainer import tensor_cores_idle
+
+    before = torch.get_float32_matmul_precision()
+    try:
+        Trainer(float32_matmul_precision="high", logger=False, enable_progress_bar=False)
+        assert torch.get_float32_matmul_precision() == "high"
+        with pytest.raises(ValueError, match="float32_matmul_precision must be"):
+            Trainer(float32_matmul_precision="tf32", logger=False)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+        assert not tensor_cores_idle(torch.device("cuda", 0))  # "high" uses them
+        torch.set_float32_matmul_precision("highest")
+        assert tensor_cores_idle(torch.device("cuda", 0))
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+        assert not tensor_cores_idle(torch.device("cuda", 0))  # a V100 has none for fp32
+        assert not tensor_cores_idle(torch.device("cpu"))
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -162,3 +162,34 @@ def test_a_self_reducing_optimizer_leaves_out_the_strategies_that_cannot_run_it(
     assert plan.row("fsdp").note == "n/a: OneBitAdam does not run under fsdp"
     assert plan.row("ddp").device > 0
     assert choose(plan, checkpointing=False).strategy == "ddp"
+
+
+FIVE_B = ["estimate", "--model.vocab_size", "50304", "--model.block_size", "1024", "--model.n_layer", "26",
+          "--model.n_head", "32", "--model.n_embd", "4096", "--data", "trainkit.demo.markov.MarkovData",
+          "--data.seq_len", "1024", "--data.batch_size", "1", "--data.train_sequences", "4",
+          "--trainer.precision", "bf16-mixed", "--device_type", "cuda", "--device_memory", "80GB"]
+
+
+def test_the_5_4b_offload_plan_fits_a_gpu_and_a_128_gb_host(capsys):
+    """The GPT of benchmarks/offload.py --gpu (d=4096, 26 layers, 5.4B parameters) under zero_offload on one GPU,
+    batch 1 x 1024: the host holds 16 bytes a parameter (fp32 master 4, Adam's moments 8, and the only page-locked
+    buffers, the bf16 gradient partition 2 and the bf16 copy going back 2) plus two staging pieces: <= 100 GB; the
+    device holds the bf16 working parameters (2 bytes a parameter), buckets in flight and activations, with no
+    autocast copies of the weights (they are bf16 already): <= 20 GB (DeepSpeed measured 20.8 GB there), and its
+    setup never holds the fp32 model."""
+    from trainkit.cli import main
+
+    main(args=FIVE_B)
+    out = capsys.readouterr().out
+    print(out)
+    psi = float(out.split("B parameters")[0]) * 1e9
+    line = next(line.split() for line in out.splitlines() if line.startswith("zero_offload"))
+    gb = [float(line[i]) * {"GB": 1e9, "MB": 1e6, "KB": 1e3, "B": 1}[line[i + 1]] for i in range(1, 15, 2)]
+    device, host, pinned, activations, _, setup, _ = gb
+    largest_piece = 50304 * 4096  # the embedding's bucket
+    assert 5.4e9 < psi < 5.5e9
+    assert abs(host - (16 * psi + 2 * 2 * largest_piece)) <= 0.01 * host, (host, 16 * psi)
+    assert abs(pinned - (4 * psi + 2 * 2 * largest_piece)) <= 0.01 * pinned
+    assert host <= 100e9
+    assert device + activations <= 20e9 and setup <= 20e9, (device, activations, setup)
+    assert setup < 2 * psi + 4 * 4 * largest_piece  # bf16 working copy, one fp32 bucket, device scratch

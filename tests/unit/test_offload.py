@@ -3,7 +3,9 @@ bucket (not per parameter), and the delayed parameter update applies each step o
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import threading
 from typing import Any
 
 import pytest
@@ -146,3 +148,77 @@ def test_delayed_update_applies_each_step_one_step_late():
     final = delayed.full_parameters()  # settles the last step
     for name, p in ref.named_parameters():
         torch.testing.assert_close(final[name], p.detach(), rtol=1e-6, atol=1e-7, msg=name)
+
+
+def _on_a_gpu_stand_in(world, **options: Any):
+    """zero_offload as on a GPU (host memory apart from the device's; ``meta`` stands in for the GPU), 1 rank."""
+    from tests.simworld import META, on_device
+
+    strategy = get_strategy("zero_offload", bucket_mb=0.002, **options)
+    strategy.setup_environment(Environment(device=META), comm=world.comm(0))
+    torch.manual_seed(0)
+    model = on_device(nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]))
+    strategy.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2), Precision.from_name("bf16-mixed"))
+    return strategy, model
+
+
+def test_offload_accumulation_never_waits_for_the_bus_inside_backward(monkeypatch):
+    """An accumulating micro-step copies each bucket to page-locked staging on the side stream and a host thread adds
+    it into the partition once it landed: nothing in backward waits for a copy (the old hook synchronised on every
+    bucket's copy), and the window's end waits for all of them."""
+    from tests.simworld import META, SimWorld
+    from trainkit_strategies.hostcopy import CopyStream
+
+    waits: list[tuple[str, bool]] = []
+    monkeypatch.setattr("trainkit_strategies.zero.CopyStream.mark", lambda self: object())  # a pending copy
+    monkeypatch.setattr(CopyStream, "wait", staticmethod(lambda event: None))  # a wait on the device, not the host
+    monkeypatch.setattr(CopyStream, "synchronize", staticmethod(
+        lambda event: waits.append((threading.current_thread().name, torch._C._current_graph_task_id() != -1))))
+    world = SimWorld(1)
+
+    def run(rank: int) -> None:
+        strategy, model = _on_a_gpu_stand_in(world)
+        x = torch.randn(4, 32).to(META)
+        for micro in range(3):
+            with strategy.no_sync() if micro < 2 else contextlib.nullcontext():
+                with strategy.forward_context():
+                    loss = model(x).float().pow(2).mean()
+                strategy.backward(loss)
+        inside = [w for w in waits if w[1]]
+        assert not inside, f"backward waited for copies: {inside}"
+        strategy.reduce_gradients(1.0)  # the window's end: every add and copy has landed
+        buckets = len(strategy.buckets)
+        assert sum(name.startswith("trainkit-offload-accumulate") for name, _ in waits) == 2 * buckets
+        assert len(waits) == 2 * buckets + 2  # and the window's end waited for the last copy of each slot
+
+    world.run(run)
+
+
+def test_the_delayed_update_waits_for_the_last_upload_before_rewriting_its_buffers(monkeypatch):
+    """Under DPU the host step of step t rewrites the page-locked compute-dtype copies that step t-1's parameters
+    were uploaded from: it first waits (in its own thread) for those uploads; its spare gradient partition is
+    page-locked too (a pageable one makes every other step's copies synchronous)."""
+    from tests.simworld import META, SimWorld
+    from trainkit_strategies.hostcopy import CopyStream
+    from trainkit_strategies.memory import page_locked
+
+    events: list[str] = []
+    token = object()
+    monkeypatch.setattr("trainkit_strategies.zero.mark", lambda device: token)
+    monkeypatch.setattr(CopyStream, "synchronize", staticmethod(
+        lambda event: events.append("waited for the upload") if event is token else None))
+    world = SimWorld(1)
+
+    def run(rank: int) -> None:
+        strategy, model = _on_a_gpu_stand_in(world, delayed_update=True)
+        real_step = strategy._master.step
+        monkeypatch.setattr(strategy._master, "step", lambda *a, **k: (events.append("host step"), real_step(*a, **k)))
+        assert all(b.untyped_storage() in page_locked for b in strategy._spare)
+        x = torch.randn(4, 32).to(META)
+        for _ in range(2):
+            _train_step(strategy, model, x)
+        strategy.settle()
+
+    world.run(run)
+    # the first step uploads nothing before it; the second one's host step waits for the first one's upload
+    assert events == ["host step", "waited for the upload", "host step"]

@@ -16,9 +16,16 @@ if TYPE_CHECKING:
     from trainkit.module import TrainModule
     from trainkit.trainer import Trainer
 
-# dense peak FLOP/s per device for 16-bit matrix products (vendor datasheets, SXM parts), matched against
-# torch.cuda.get_device_name; fp32 runs on TF32 cores at half these rates
-PEAK_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "V100": 125e12}
+# dense peak FLOP/s per device (vendor datasheets, SXM parts, without sparsity), matched against
+# torch.cuda.get_device_name: (16-bit tensor cores, TF32 tensor cores or None, fp32 without tensor cores)
+PEAK_FLOPS = {
+    "H200": (989.4e12, 494.7e12, 66.9e12),
+    "H100": (989.4e12, 494.7e12, 66.9e12),
+    "A100": (312e12, 156e12, 19.5e12),
+    "L40S": (362.05e12, 183e12, 91.6e12),
+    "A10G": (125e12, 62.5e12, 31.2e12),
+    "V100": (125e12, None, 15.7e12),  # fp16 tensor cores; no TF32
+}
 
 
 class ThroughputMonitor(Callback):
@@ -36,8 +43,10 @@ class ThroughputMonitor(Callback):
 
     Args:
         batch_size_fn: batch -> number of samples (default: leading dimension of the first tensor).
-        peak_flops: the device's peak FLOP/s for ``throughput/mfu``; by default the dense 16-bit peak (half of
-            it for fp32) of the GPUs in ``PEAK_FLOPS``, and none on a CPU.
+        peak_flops: the device's peak FLOP/s for ``throughput/mfu``; by default, for the GPUs in ``PEAK_FLOPS``, the
+            dense peak of what the run's matrix products use: 16-bit tensor cores, TF32 tensor cores for fp32 when
+            ``torch.get_float32_matmul_precision()`` allows them (``Trainer(float32_matmul_precision=...)``), or
+            plain fp32; none on a CPU.
         count_flops: count model FLOPs when the module does not give them.
     """
 
@@ -106,14 +115,20 @@ class ThroughputMonitor(Callback):
         return counter.total
 
 
-def peak_flops_of(device: torch.device, dtype: torch.dtype) -> float | None:
-    """The dense peak FLOP/s of ``device`` for matrix products in ``dtype``, when it is a GPU in ``PEAK_FLOPS``."""
-    if device.type != "cuda":
+def peak_flops_of(device: torch.device, dtype: torch.dtype, name: str | None = None,
+                  matmul_precision: str | None = None) -> float | None:
+    """The dense peak FLOP/s of ``device`` (a GPU named ``name``, in ``PEAK_FLOPS``) for matrix products in
+    ``dtype``: fp32 products run on TF32 tensor cores only when the fp32 matmul precision (``matmul_precision``,
+    default torch's setting) is "high" or "medium" and the GPU has them."""
+    if device.type != "cuda" and name is None:
         return None
-    name = torch.cuda.get_device_name(device)
-    for model, peak in PEAK_FLOPS.items():
+    name = name if name is not None else torch.cuda.get_device_name(device)
+    matmul_precision = matmul_precision or torch.get_float32_matmul_precision()
+    for model, (half, tf32, fp32) in PEAK_FLOPS.items():
         if model in name:
-            return peak if dtype in (torch.bfloat16, torch.float16) else peak / 2
+            if dtype in (torch.bfloat16, torch.float16):
+                return half
+            return tf32 if tf32 is not None and matmul_precision != "highest" else fp32
     return None
 
 

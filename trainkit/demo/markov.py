@@ -114,7 +114,7 @@ class MarkovData(DataModule):
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
         self.setup(split)
         return DataLoader(TokenWindows(self._splits[split]), batch_size=self.batch_size, shuffle=shuffle,
-                          drop_last=shuffle, num_workers=self.num_workers)
+                          drop_last=shuffle, num_workers=self.num_workers, pin_memory=torch.cuda.is_available())
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=True)
