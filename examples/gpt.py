@@ -82,7 +82,8 @@ class TextData(DataModule):
     def val_dataloader(self) -> DataLoader:
         self.setup("validate")
         return DataLoader(ByteWindows(self._splits["val"], self.block_size, self.block_size),
-                          batch_size=self.batch_size, num_workers=self.num_workers, pin_memory=torch.cuda.is_available())
+                          batch_size=self.batch_size, num_workers=self.num_workers,
+                          pin_memory=torch.cuda.is_available())
 
 
 class TextGPT(DemoGPT):

@@ -85,8 +85,9 @@ def build_parser(model_class: type[TrainModule] | None = None,
     estimate_parser.add_argument("--device_memory", type=str | None, default=None,
                                  help='Memory of one device, e.g. "80GB" (default: the GPU\'s, if there is one).')
     estimate_parser.add_argument("--device_type", type=Literal["cpu", "cuda"] | None, default=None,
-                                 help="Plan a run on this kind of device (default: --trainer.accelerator's); cuda plans "
-                                      "a GPU run from any machine (offload's page-locked copies, device scratch).")
+                                 help="Plan a run on this kind of device (default: --trainer.accelerator's); "
+                                      "cuda plans a GPU run from any machine (offload's page-locked copies, "
+                                      "device scratch).")
     subcommands.add_subcommand("estimate", estimate_parser, help=TOOLS["estimate"])
     subcommands.add_subcommand("export", _export_parser(), help=TOOLS["export"])
     return parser

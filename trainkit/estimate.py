@@ -29,8 +29,8 @@ from trainkit.optim import parse_optimizers
 from trainkit.step import unpack_output
 from trainkit_strategies import ActivationMeter, Environment, Precision, SelfReducing, get_strategy
 from trainkit_strategies.comm import Comm
-from trainkit_strategies.memory import LiveBytes
 from trainkit_strategies.fsdp import FSDPStrategy
+from trainkit_strategies.memory import LiveBytes
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero_offload", "zero3", "fsdp", "pipeline")
 AUTO_ORDER = ("ddp", "zero1", "zero2", "fsdp", "zero_offload")  # fastest first, as strategy="auto" tries them

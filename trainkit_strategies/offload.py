@@ -112,7 +112,8 @@ class ZeroOffloadStrategy(Zero2Strategy):
         report = super().memory_report()
         spare = sum(t.untyped_storage().nbytes() for t in self._spare)  # page-locked, as the partition it swaps with
         pinned = spare if self.env.host_is_separate else 0
-        return MemoryReport(report.device, {**report.host, "grads": report.host["grads"] + spare}, report.pinned + pinned)
+        host = {**report.host, "grads": report.host["grads"] + spare}
+        return MemoryReport(report.device, host, report.pinned + pinned)
 
     def teardown(self) -> None:
         self._settle_step()
