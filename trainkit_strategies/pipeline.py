@@ -12,9 +12,10 @@ zero2 or fsdp) working in that stage's subgroup. With ``virtual_stages = v`` the
 
 One batch is cut into ``microbatches`` pieces and run by a schedule from ``schedules.py`` (1F1B by
 default): activations and their gradients travel between neighbouring chunks with asynchronous
-send/recv, one process group per chunk boundary (so the traffic of different boundaries between the
-same two ranks never interleaves), each preceded by a small header (shape and dtype) the first time so
-stages need not know shapes in advance. Under ``zero_bubble`` a backward is split into B (the input
+send/recv, one communicator per chunk boundary and direction (NCCL matches point-to-point operations by
+the order each end issues them; with one direction per communicator both ends issue theirs in micro-batch
+order whatever the schedule), each preceded the first time by a small header (shape and dtype, on a host
+group) so stages need not know shapes in advance. Under ``zero_bubble`` a backward is split into B (the input
 gradient, ``split_backward.input_gradient``) and W (the weight gradients), which the schedule runs later.
 Every micro-batch's loss is weighted by its item count (samples unless ``num_items`` is given), so the
 pipelined step equals the full-batch step. Parameters shared by layers on different stages (a tied

@@ -84,3 +84,26 @@ def test_one_billion_parameter_gpt_at_64_ranks():
     print(f"1.08B GPT at N=64: {shard} elements per rank, peak {out['peak_rss_delta'] / 2**20:.0f} MiB "
           f"of a {out['full_fp32'] / 2**30:.1f} GiB model")
     assert out["peak_rss_delta"] < 0.15 * out["full_fp32"]
+
+
+@pytest.mark.parametrize("name", ["zero3", "fsdp"])
+def test_offloaded_fp32_shards_do_not_keep_their_units_alive(name):
+    """Under offload in fp32 the device keeps only the compute-dtype copy of its piece: a copy of its own, not a view
+    of the unit's fp32 buffer (``.to()`` returns a view when the dtype is already right, which kept every unit whole
+    on every GPU). Set up as on a GPU: ``meta`` stands in for it, host memory on the CPU."""
+    from tests.simworld import META, SimWorld, on_device
+    from trainkit_strategies import Environment, Precision, get_strategy
+
+    world = SimWorld(2)
+
+    def run(rank: int) -> None:
+        strategy = get_strategy(name, offload=True)
+        strategy.setup_environment(Environment(device=META, rank=rank, world_size=2), comm=world.comm(rank))
+        torch.manual_seed(0)
+        model = on_device(torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(3)]))
+        strategy.setup(model, torch.optim.AdamW(model.parameters()), Precision.from_name("32"))
+        for b in strategy.buckets:
+            assert b.shard.device == META and b.shard.numel() == b.layout.piece
+            assert b.shard.untyped_storage().nbytes() == b.layout.piece * 4, "the shard keeps its unit alive"
+
+    world.run(run)
