@@ -140,10 +140,7 @@ class Group:
     index: int
     ranks: list[int]
     backend: str  # "nccl" (accelerator) or "gloo" (control plane)
-
-    @property
-    def device(self) -> torch.device:
-        return META if self.backend == "nccl" else CPU
+    device: torch.device  # what its tensors live on
 
 
 @dataclass
@@ -197,15 +194,17 @@ class P2POp:
 
 class SimWorld:
     """``world_size`` ranks run ``fn(rank)`` in threads of this process (``run``), each under ``DeviceRules``, with
-    ``trainkit_strategies.comm`` talking to this object instead of ``torch.distributed``."""
+    ``trainkit_strategies.comm`` talking to this object instead of ``torch.distributed``. With ``device`` the CPU the
+    ranks compute with real values and the collectives move them: a whole world in one process, for tests that
+    need many small runs (resuming across strategies and world sizes)."""
 
     ReduceOp = dist.ReduceOp
     DistError = dist.DistError
     P2POp = P2POp
 
-    def __init__(self, world_size: int, timeout_s: float = 60.0) -> None:
-        self.world_size, self.timeout_s = world_size, timeout_s
-        self.default = Group(0, list(range(world_size)), "nccl")
+    def __init__(self, world_size: int, timeout_s: float = 60.0, device: torch.device = META) -> None:
+        self.world_size, self.timeout_s, self.device = world_size, timeout_s, device
+        self.default = Group(0, list(range(world_size)), "nccl", device)
         self.rules: dict[int, DeviceRules] = {}
         self._lock = threading.Condition()
         self._local = threading.local()
@@ -239,7 +238,8 @@ class SimWorld:
                 rules = world.rules[world.rank]
 
                 def task() -> Any:
-                    with DeviceRules(rules.device, rules.host_reads):
+                    stand_in = rules.device == META
+                    with DeviceRules(rules.device, rules.host_reads) if stand_in else contextlib.nullcontext():
                         return fn(*args, **kwargs)
 
                 return super().submit(task)
@@ -262,7 +262,7 @@ class SimWorld:
 
     def comm(self, rank: int) -> comm_module.Comm:
         """The world communicator of ``rank`` (call from its thread)."""
-        return comm_module.Comm(self.world_size, rank, None, timeout_s=self.timeout_s, device=META)
+        return comm_module.Comm(self.world_size, rank, None, timeout_s=self.timeout_s, device=self.device)
 
     def run(self, fn: Callable[[int], Any]) -> list[Any]:
         """``fn(rank)`` on every rank at once; returns their results, or raises the first rank's error (a rank that
@@ -272,9 +272,9 @@ class SimWorld:
 
         def body(rank: int) -> None:
             self._local.rank = rank
-            rules = self.rules.setdefault(rank, DeviceRules())
+            rules = self.rules.setdefault(rank, DeviceRules(self.device))
             try:
-                with rules:
+                with rules if self.device == META else contextlib.nullcontext():  # on the CPU: real values
                     results[rank] = fn(rank)
             except BaseException as err:  # reported below, with its rank
                 errors[rank] = err
@@ -330,7 +330,8 @@ class SimWorld:
             index = self._created[self.rank]
             self._created[self.rank] += 1
             if index == len(self._groups):
-                self._groups.append(Group(index + 1, list(ranks), backend or "nccl"))
+                kind = backend or "nccl"
+                self._groups.append(Group(index + 1, list(ranks), kind, self.device if kind == "nccl" else CPU))
             group = self._groups[index]
             if group.ranks != list(ranks) or group.backend != (backend or "nccl"):
                 raise RuleViolation(f"rank {self.rank} created its group #{index} over {list(ranks)} ({backend}), but "

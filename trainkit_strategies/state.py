@@ -223,6 +223,8 @@ def load_optimizer(layout: StateLayout, reader: Reader, groups: Sequence[dict]) 
     torch_state: dict[int, dict[str, Tensor]] = {}
     for index, holder in enumerate(layout.optimizer_holders):
         names = [s.name for s in holder.segments]
+        if not names:  # this rank's piece of the group is all padding: its state starts afresh, as it holds nothing
+            continue
         keys = state_keys.get(names[0], [])
         if not keys:
             continue

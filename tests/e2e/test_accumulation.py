@@ -1,4 +1,4 @@
-"""Gradient accumulation equals one step on the whole window (DESIGN.md semantics 2).
+"""Gradient accumulation equals one step on the whole window.
 
 Each case is held to a hand-written PyTorch loop that steps AdamW once per window on the
 concatenated window, normalised by what the window actually held.
@@ -60,17 +60,36 @@ def _assert_params_equal(module, reference, atol: float = 1e-6) -> None:
         torch.testing.assert_close(p, q, rtol=0, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("n_samples", [64, 40], ids=["full-windows", "short-final-window"])
-def test_accumulate_4_equals_one_4x_step(tmp_path, n_samples):
+@pytest.mark.parametrize(("n_samples", "k"), [(64, 4), (40, 4), (10, 3)],
+                         ids=["full-windows", "short-final-window", "uneven-last-batch"])
+def test_accumulate_k_equals_one_step_on_the_window(tmp_path, n_samples, k):
+    """A window is one step on all its samples: with 10 samples in batches of 4 and k = 3, one window of 4, 4 and 2
+    samples steps like one batch of those 10 (each micro-batch's mean loss weighs by its samples)."""
     data = regression_data(n_samples)
     module = Regression()
     initial = copy.deepcopy(module.net)
-    trainer = quiet_trainer(tmp_path, accumulate_grad_batches=4, max_epochs=2, gradient_clip_val=0.5)
+    trainer = quiet_trainer(tmp_path, accumulate_grad_batches=k, max_epochs=2, gradient_clip_val=0.5)
     trainer.fit(module, loader(data, 4))
-    reference = _reference(initial, data, 4, 4, epochs=2, loss_fn=_mse, clip=0.5)
-    expected_steps = 2 * -(-n_samples // 16)
+    reference = _reference(initial, data, 4, k, epochs=2, loss_fn=_mse, clip=0.5)
+    expected_steps = 2 * -(-n_samples // (4 * k))
     assert trainer.global_step == expected_steps
     _assert_params_equal(module.net, reference)
+
+
+def test_an_uneven_window_weighs_micro_batches_by_their_samples(tmp_path):
+    """Guards the case above: weighing the 4, 4 and 2-sample micro-batches' means equally would not match."""
+    data = regression_data(10)
+    module = Regression()
+    initial = copy.deepcopy(module.net)
+    quiet_trainer(tmp_path, accumulate_grad_batches=3, max_epochs=1).fit(module, loader(data, 4))
+
+    def mean_of_means(net, batch):
+        x, y = batch
+        return torch.stack([_mse(net, (x[i : i + 4], y[i : i + 4])) for i in range(0, 10, 4)]).mean()
+
+    wrong = _reference(initial, data, 4, 3, epochs=1, loss_fn=mean_of_means)
+    diff = max((p - q).abs().max().item() for p, q in zip(module.net.parameters(), wrong.parameters(), strict=True))
+    assert diff > 1e-4
 
 
 def test_accumulation_matches_large_batch_run(tmp_path):

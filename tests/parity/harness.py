@@ -46,6 +46,7 @@ from trainkit.callbacks import Callback
 from trainkit.demo.gpt import Block, DemoGPT
 from trainkit.demo.markov import MarkovChain, TokenWindows
 from trainkit.optim import OneBitAdam
+from trainkit.utils import infer_batch_size
 from trainkit_strategies import get_strategy
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
@@ -75,6 +76,7 @@ class Case:
     checkpointing: bool = False  # activation checkpointing on the GPT's blocks
     init_scale: float | None = None  # "16-mixed": start the loss scale here (low enough that nothing overflows)
     onebit: dict[str, Any] | None = None  # train with trainkit.optim.OneBitAdam(**onebit) instead of AdamW
+    samples_per_replica: int | None = None  # the data's size per replica (default: full windows of ``steps``)
 
     def replicas(self, world_size: int) -> int:
         """Data-parallel replicas: the ranks of one pipeline read the same data."""
@@ -121,7 +123,9 @@ class Probe(Callback):
             self.comm.append({k: v for k, v in delta.items() if v})
             self._bytes = now
             return
-        loss, n = (outputs["loss"], outputs["num_items"]) if isinstance(outputs, dict) else (outputs, 1)
+        # a plain mean loss averages its batch's samples: the window's loss weighs it by them
+        loss, n = (outputs["loss"], outputs["num_items"]) if isinstance(outputs, dict) else \
+            (outputs, infer_batch_size(batch))
         self._sum += torch.tensor([float(loss.detach()) * float(n), float(n)], dtype=torch.float64)
         if trainer.global_step != self._step:
             self._step = trainer.global_step
@@ -136,7 +140,8 @@ class Probe(Callback):
 
 
 def _module_and_data(case: Case, world_size: int) -> tuple[Any, Any]:
-    samples = case.steps * case.accumulate * case.per_rank_batch * case.replicas(world_size)
+    per_replica = case.samples_per_replica or case.steps * case.accumulate * case.per_rank_batch
+    samples = per_replica * case.replicas(world_size)
     if case.model == "masked":
         return MaskedRegression(), MaskedSequences(samples)
     if case.model == "routed":
