@@ -218,6 +218,23 @@ class RoutedRegression(Regression):
         self.net = Routed()
 
 
+class RoutedItemsRegression(RoutedRegression):
+    """Routed, with the samples returned as ``num_items``: the step then sums the count over ranks between
+    backward and the gradients' reduction, which a bucket left to the end of the step on one rank only would
+    cross. ``never`` is registered first, so the buckets backward fills first are ``rare``'s and ``common``'s:
+    one rank completes them during backward where another does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        routed = self.net
+        self.net = Routed.__new__(Routed)
+        nn.Module.__init__(self.net)
+        self.net.never, self.net.common, self.net.rare = routed.never, routed.common, routed.rare
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        return {"loss": super().training_step(batch, batch_idx), "num_items": batch[0].shape[0]}
+
+
 class MaskedSequences(Dataset):
     """Sequences with a variable number of valid positions (the rest padding): ``num_items`` varies."""
 

@@ -9,7 +9,10 @@ bucket order on every rank keeps the collectives matched. ``reduce_gradients`` w
 and multiplies each once by the window's scale (1/N, item normalisation and loss-scale undo in one).
 
 Accumulation micro-steps (``no_sync``) only accumulate; nothing is communicated until the window's
-last backward.
+last backward. Buckets whose hooks did not all fire (parameters this rank left unused) are launched as that
+backward ends, so every rank has issued every bucket's all-reduce, in bucket order, before anything else: a
+parameter used on some ranks and not on others completes its bucket during backward on the former and at its end
+on the latter, and the ranks' collectives still match.
 
 Two ways to send fewer bytes, for runs bound by the network: ``compression="powersgd"`` sends each
 bucket's gradient matrices as rank-r factors (``powersgd.py``), and an optimizer that averages across
@@ -26,6 +29,7 @@ from typing import Literal
 
 import torch
 from torch import Tensor, nn
+from torch.autograd import Variable
 from torch.optim import Optimizer
 
 from trainkit_strategies.base import SelfReducing, Strategy
@@ -86,6 +90,7 @@ class DDPStrategy(Strategy):
         self._names: dict[nn.Parameter, str] = {}
         self._launcher = OrderedLauncher([], self._launch)
         self._views_detached = False
+        self._end_queued = False
 
     # -- setup ---------------------------------------------------------------------------------------
     def setup(self, module: nn.Module, optimizer: Optimizer | None, precision: Precision) -> None:
@@ -135,6 +140,7 @@ class DDPStrategy(Strategy):
         self._local = isinstance(self.optimizer, SelfReducing) and self.optimizer.reduces_gradients
         if self._syncing:
             self._launcher.reset()
+        self._end_queued = False
         yield
 
     def _on_grad(self, param: Tensor) -> None:
@@ -144,6 +150,9 @@ class DDPStrategy(Strategy):
             slot.view.copy_(param.grad)  # someone replaced .grad (e.g. optimizer.zero_grad()): re-attach
             param.grad = slot.view
         if self._syncing:
+            if not self._end_queued:
+                Variable._execution_engine.queue_callback(self._launcher.flush)
+                self._end_queued = True
             self._launcher.ready(slot.bucket)
 
     def _launch(self, index: int) -> None:

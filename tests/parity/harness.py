@@ -35,6 +35,7 @@ from tests.helpers import (
     MaskedRegression,
     MaskedSequences,
     Regression,
+    RoutedItemsRegression,
     RoutedRegression,
     ValidatedRegression,
     accelerator_for,
@@ -66,7 +67,7 @@ class Case:
     steps: int = 10
     per_rank_batch: int = 4
     # "regression", "validated" (sync_dist and torchmetrics validation), "masked" (num_items),
-    # "routed" (parameters unused at times), "gpt" (tied embeddings, tokens as items; "gpt6": 6 blocks), "batchnorm"
+    # "routed" (parameters unused at times; "routed_items": and num_items), "gpt" (tied embeddings, tokens as items; "gpt6": 6 blocks), "batchnorm"
     # (BatchNorm statistics, compared across strategies: a single process normalises over the global batch),
     # "loss_validated" (no pipeline_validation_step: pipeline validates with pipeline_loss), "deferred" (built
     # and custom-initialised in configure_model: on the meta device under zero3/fsdp)
@@ -146,6 +147,8 @@ def _module_and_data(case: Case, world_size: int) -> tuple[Any, Any]:
         return MaskedRegression(), MaskedSequences(samples)
     if case.model == "routed":
         return RoutedRegression(), regression_data(samples)
+    if case.model == "routed_items":
+        return RoutedItemsRegression(), regression_data(samples)
     if case.model == "loss_validated":
         return LossValidatedRegression(), regression_data(samples)
     if case.model == "deferred":

@@ -18,6 +18,9 @@ CASES = [
     Case("comm_acc4", "ddp", SMALL_BUCKETS, accumulate=4, steps=3, record_comm=True),
     # parameters unused on some ranks only, and one unused everywhere (its grad stays None)
     Case("unused_params", "ddp", {**SMALL_BUCKETS, "find_unused_parameters": True}, model="routed"),
+    # ... with a collective of the step's own (the num_items total) between backward and the reduction
+    Case("unused_on_some_ranks_num_items", "ddp", {"bucket_mb": 1e-5, "find_unused_parameters": True},
+         model="routed_items", accumulate=2),  # a bucket per parameter
 ]
 
 
