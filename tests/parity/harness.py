@@ -68,7 +68,8 @@ class Case:
     per_rank_batch: int = 4
     # "regression", "validated" (sync_dist and torchmetrics validation), "masked" (num_items),
     # "routed" (parameters unused at times; "routed_items": and num_items), "gpt" (tied embeddings, tokens as
-    # items; "gpt6": 6 blocks), "batchnorm" (BatchNorm statistics, compared across strategies: a single process normalises over the global batch),
+    # items; "gpt6": 6 blocks), "batchnorm" (BatchNorm statistics, compared across strategies: a single process
+    # normalises over the global batch),
     # "loss_validated" (no pipeline_validation_step: pipeline validates with pipeline_loss), "deferred" (built
     # and custom-initialised in configure_model: on the meta device under zero3/fsdp)
     model: str = "regression"
