@@ -173,6 +173,14 @@ class BucketReducer:
         source[bucket.numel :].zero_()
         return source
 
+    def stage(self, source: Tensor) -> Tensor:
+        """``source`` (a whole bucket of gradients that stays where it is) copied, converted to this reducer's
+        dtype, into the bucket buffer, for a reduction in that dtype."""
+        self.finish()
+        if self.buffer is None:
+            self.buffer = torch.empty(self.size, dtype=self.dtype, device=self.device)
+        return self.buffer[: source.numel()].copy_(source)
+
     def reduce(self, source: Tensor, shard: Tensor, accumulate: bool,
                on_done: Callable[[], None] | None = None, key: int = 0) -> None:
         """Start reduce-scattering ``source`` into ``shard`` (added to it with ``accumulate``); ``on_done`` runs

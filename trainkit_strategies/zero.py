@@ -41,7 +41,7 @@ from trainkit_strategies.hostcopy import CopyStream, host_buffer, mark
 from trainkit_strategies.master import DeferredGradScale, MasterShards, transfer
 from trainkit_strategies.memory import MemoryReport
 from trainkit_strategies.onebit import SignReduceScatter
-from trainkit_strategies.precision import Precision
+from trainkit_strategies.precision import DTYPE_NAMES, Precision
 
 
 @dataclass
@@ -97,7 +97,17 @@ class GradientLayout(ABC):
 class WholeGradients(GradientLayout):
     """ZeRO stage 1 (§5.1): whole gradients, as ``.grad`` views into one flat buffer per group (as DDP), are
     reduce-scattered once per optimizer step, in place and overlapped with the window's last backward: a
-    rank's reduced piece is the piece of the buffer it owns. Accumulation micro-steps do not communicate."""
+    rank's reduced piece is the piece of the buffer it owns. Accumulation micro-steps do not communicate. With a
+    ``reduce_dtype`` other than the compute dtype each bucket is converted into the reducer's buffer and
+    reduce-scattered into a shard of that dtype (``reduced``)."""
+
+    def __init__(self, strategy: ZeroStrategy) -> None:
+        super().__init__(strategy)
+        self.reduced: list[Tensor] = []  # per group, the reduced pieces when they are of another dtype
+
+    @property
+    def converting(self) -> bool:
+        return self.strategy.grad_dtype != self.strategy.precision.working_dtype
 
     def attach(self, group: _Group) -> None:
         full = torch.zeros_like(group.working)
@@ -105,6 +115,9 @@ class WholeGradients(GradientLayout):
             for p, view in zip(b.params, b.param_views(full[b.start : b.start + b.padded]), strict=True):
                 p.grad = view
         self.buffers.append(full)
+        if self.converting:
+            self.reduced.append(torch.zeros(sum(b.piece for b in group.buckets), dtype=self.strategy.grad_dtype,
+                                            device=full.device))
 
     def on_grad(self, param: Tensor, bucket: FlatBucket, index: int) -> None:
         full = self.buffers[bucket.group]
@@ -117,11 +130,23 @@ class WholeGradients(GradientLayout):
 
     def launch(self, bucket: FlatBucket) -> None:
         source = self.buffers[bucket.group][bucket.start : bucket.start + bucket.padded]
+        if self.converting:
+            source = self.strategy.reducer.stage(source)
         self.strategy.reducer.reduce(source, self.piece(bucket), accumulate=False, key=bucket.index)
 
     def piece(self, bucket: FlatBucket) -> Tensor:
+        if self.converting:
+            return self.reduced[bucket.group][bucket.shard_start : bucket.shard_start + bucket.piece]
         lo, hi = bucket.piece_range(self.strategy.rank)
         return self.buffers[bucket.group][bucket.start + lo : bucket.start + hi]
+
+    def memory(self) -> dict[str, list[Tensor]]:
+        return {"device": list(self.buffers) + list(self.reduced), "host": []}
+
+    def zero(self) -> None:
+        super().zero()
+        for reduced in self.reduced:
+            reduced.zero_()
 
 
 class PartitionedGradients(GradientLayout):
@@ -135,7 +160,7 @@ class PartitionedGradients(GradientLayout):
         self._end_queued = False
 
     def attach(self, group: _Group) -> None:
-        self.buffers.append(torch.zeros(sum(b.piece for b in group.buckets), dtype=group.working.dtype,
+        self.buffers.append(torch.zeros(sum(b.piece for b in group.buckets), dtype=self.strategy.grad_dtype,
                                         device=group.working.device))
 
     def begin_backward(self) -> None:
@@ -194,7 +219,7 @@ class OffloadedGradients(PartitionedGradients):
         self._adder: ThreadPoolExecutor | None = None
 
     def attach(self, group: _Group) -> None:
-        env, dtype = self.strategy.env, group.working.dtype
+        env, dtype = self.strategy.env, self.strategy.grad_dtype
         self.buffers.append(host_buffer(sum(b.piece for b in group.buckets), dtype, env, pinned=True))
         if self._staged and not self._scratch:
             largest = max(b.piece for b in self.strategy.buckets)
@@ -255,20 +280,25 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         ratio: with ``offload``, the fraction of each group's optimizer state kept on the host.
         broadcast_buffers: broadcast rank 0's floating-point buffers (e.g. BatchNorm statistics) after
             every step, as ddp does.
+        reduce_dtype: dtype gradients are reduce-scattered and accumulated in ("fp32", "bf16", "fp16"); default:
+            the compute dtype. "fp32" under bf16-mixed sums the ranks' gradients in fp32 (as DeepSpeed's
+            ``communication_data_type``), at twice the bytes.
     """
 
     gradient_layout: ClassVar[type[GradientLayout]] = WholeGradients
     offloaded_layout: ClassVar[type[GradientLayout] | None] = None  # the layout under ``offload``, if it differs
 
     def __init__(self, bucket_mb: float = 25.0, offload: bool = False, ratio: float = 1.0,
-                 broadcast_buffers: bool = True) -> None:
+                 broadcast_buffers: bool = True, reduce_dtype: str | None = None) -> None:
         super().__init__()
         self.broadcast_buffers = broadcast_buffers
         if not bucket_mb > 0:
             raise ValueError(f"{self.name} bucket_mb must be positive; got {bucket_mb}.")
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"{self.name} ratio must be in [0, 1]; got {ratio}.")
-        self.bucket_mb, self.offload, self.ratio = bucket_mb, offload, ratio
+        if reduce_dtype is not None and reduce_dtype not in DTYPE_NAMES:
+            raise ValueError(f"{self.name} reduce_dtype must be one of {sorted(DTYPE_NAMES)}; got {reduce_dtype!r}.")
+        self.bucket_mb, self.offload, self.ratio, self.reduce_dtype = bucket_mb, offload, ratio, reduce_dtype
         self.buckets: list[FlatBucket] = []  # every bucket, in launch order
         self.grads: GradientLayout = self._layout()
         self.launcher = OrderedLauncher([], self._launch)
@@ -286,6 +316,11 @@ class ZeroStrategy(DeferredGradScale, Strategy):
 
     def _layout(self) -> GradientLayout:
         return (self.offloaded_layout if self.offload and self.offloaded_layout else self.gradient_layout)(self)
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The dtype gradients are reduce-scattered and kept in (``reduce_dtype``, default the compute dtype)."""
+        return DTYPE_NAMES[self.reduce_dtype] if self.reduce_dtype else self.precision.working_dtype
 
     @property
     def syncing(self) -> bool:
@@ -313,7 +348,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         working, master = self.precision.working_dtype, self.precision.master_dtype
         self.grads = self._layout()
         self._master = MasterShards(self.buckets, len(optimizer.param_groups), master, self.env, self.offload,
-                                    self.ratio, grad_dtype=working if self._grads_on_device() else None,
+                                    self.ratio, grad_dtype=self.grad_dtype if self._grads_on_device() else None,
                                     low_dtype=working)
         self.groups = [self._build_group([b for b in self.buckets if b.group == g])
                         for g in range(len(optimizer.param_groups))]
@@ -322,7 +357,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         self.comm.broadcast_coalesced([p for p in module.parameters() if p not in bucketed] + list(module.buffers()))
         self._bucket_of = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.launcher = OrderedLauncher([len(b.params) for b in self.buckets], self._launch)
-        self.reducer = BucketReducer(self.comm, working, self.device, max(b.padded for b in self.buckets))
+        self.reducer = BucketReducer(self.comm, self.grad_dtype, self.device, max(b.padded for b in self.buckets))
         self._master.retarget(optimizer)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._bucket_of]
         self._signs = SignReduceScatter(optimizer.error_feedback) if isinstance(optimizer, SelfReducing) else None

@@ -27,6 +27,13 @@ CASES = [
     Case("zero_offload-host-bf16-clip", "zero_offload", SMALL, precision="bf16-mixed", clip=0.05),
     Case("zero_offload-host-fp16-acc2-clip", "zero_offload", SMALL, precision="16-mixed", accumulate=2, clip=0.05,
          init_scale=1024.0),
+    # gradients summed across ranks in fp32 under bf16-mixed (reduce_dtype), whole and partitioned, and offloaded
+    Case("zero1-bf16-reduce-fp32-acc2", "zero1", {**SMALL, "reduce_dtype": "fp32"}, precision="bf16-mixed",
+         accumulate=2, clip=0.05),
+    Case("zero2-bf16-reduce-fp32-acc2", "zero2", {**SMALL, "reduce_dtype": "fp32"}, precision="bf16-mixed",
+         accumulate=2),
+    Case("zero_offload-bf16-reduce-fp32", "zero_offload", {**SMALL, "reduce_dtype": "fp32"}, precision="bf16-mixed",
+         accumulate=2, clip=0.05),
     Case("zero1-comm-acc4", "zero1", SMALL, accumulate=4, steps=3, record_comm=True),
     Case("zero2-comm-acc1", "zero2", SMALL, steps=3, record_comm=True),
 ]

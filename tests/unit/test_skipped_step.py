@@ -97,3 +97,54 @@ def test_the_step_after_an_overflow_skip_is_whole(name, options):
         for key, value in want.items():
             torch.testing.assert_close(got[key], value, rtol=2e-2, atol=2e-3,
                                        msg=lambda m, k=key, w=w: f"window {w}, {k}: {m}")
+
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero_offload"])
+def test_reduce_dtype_fp32_sums_bf16_gradients_exactly_where_bf16_rounds(name):
+    """``reduce_dtype="fp32"`` under bf16-mixed at 4 ranks: the reduced gradient is the exact mean of the ranks' bf16
+    gradients to fp32 rounding, where the default bf16 sum is off by bf16's rounding of its partial sums."""
+    from trainkit.demo.gpt import DemoGPT
+
+    world_size, gen = 4, torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 16, (world_size * 4, 17), generator=gen)
+
+    def model() -> DemoGPT:
+        torch.manual_seed(0)
+        return DemoGPT(vocab_size=16, block_size=16, n_layer=2, n_head=2, n_embd=32)
+
+    def loss_of(net: nn.Module, r: int) -> torch.Tensor:
+        x, y = tokens[r::world_size, :-1], tokens[r::world_size, 1:]
+        return torch.nn.functional.cross_entropy(net(x).flatten(0, 1).float(), y.flatten())
+
+    exact: dict[str, torch.Tensor] = {}  # the mean, in float64, of each rank's gradient under bf16 weights
+    for r in range(world_size):
+        net = model().to(torch.bfloat16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss_of(net, r).backward()
+        for n, p in net.named_parameters():
+            exact[n] = exact.get(n, 0) + p.grad.double() / world_size
+
+    def reduced(reduce_dtype: str | None) -> dict[str, torch.Tensor]:
+        world = SimWorld(world_size, device=CPU)
+        models = [model() for _ in range(world_size)]
+
+        def rank(r: int) -> dict[str, torch.Tensor]:
+            strategy = get_strategy(name, reduce_dtype=reduce_dtype)
+            strategy.setup_environment(Environment(rank=r, world_size=world_size), comm=world.comm(r))
+            strategy.setup(models[r], torch.optim.AdamW(models[r].parameters()), Precision.from_name("bf16-mixed"))
+            with strategy.forward_context():
+                loss = loss_of(models[r], r)
+            strategy.backward(loss)
+            strategy.reduce_gradients(1.0 / world_size)
+            return {n: g.double() for n, g in strategy.full_gradients().items()}
+
+        return world.run(rank)[0]
+
+    def error(got: dict[str, torch.Tensor]) -> float:
+        return max(float((got[n] - exact[n]).abs().max() / exact[n].abs().max()) for n in exact)
+
+    in_bf16, in_fp32 = error(reduced(None)), error(reduced("fp32"))
+    print(f"{name}: largest relative error of a reduced gradient, bf16 sum {in_bf16:.2e}, fp32 sum {in_fp32:.2e}")
+    assert in_fp32 < 1e-6, in_fp32
+    assert in_bf16 > 100 * in_fp32 and in_bf16 > 1e-4, (in_bf16, in_fp32)
