@@ -1,6 +1,6 @@
 """trainkit's strategies beside their torch-native references, in one process tree, alternating.
 
-Reference workload (DESIGN.md): 2 ranks, gloo, 1 thread each, an MLP of 4 blocks [512 -> 2048 -> 512],
+Reference workload: 2 ranks, gloo, 1 thread each, an MLP of 4 blocks [512 -> 2048 -> 512],
 batch 32 per rank, AdamW. Every variant builds the same model from the same seed and runs the same
 step (forward, MSE loss, backward, gradient reduction, AdamW step, zero grad). Variants take turns in
 rounds of ``--steps`` steps, the order rotating every round, so that drift in machine load hits all of

@@ -9,13 +9,20 @@ Layout of ``<dirpath>/<name>/``:
   meta.json itself (``meta_sha256``, computed with that field empty).
 
 Writes are atomic: every rank writes into ``.tmp-<name>``; only after all ranks finished does rank 0
-write meta.json, rename the directory into place and then replace the ``latest`` pointer. A crash at
-any point before that leaves the previous checkpoint and ``latest`` untouched. No pickle is ever loaded.
+write meta.json, move the directory into place and then replace the ``latest`` pointer, fsyncing the files
+and then the directory after every rename, so what is visible is also durable. A checkpoint written over
+one of the same name is swapped in with one atomic exchange of the two directories (``renameat2``'s
+``RENAME_EXCHANGE`` on Linux), so at every instant ``<name>`` is a complete checkpoint and ``latest`` never
+points at nothing; where the exchange is not available the old copy is set aside as ``.old-<name>`` first, and
+a ``latest`` naming a checkpoint that is not there finds that copy. A crash at any point leaves a complete
+checkpoint that ``latest`` names. No pickle is ever loaded.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import hashlib
 import json
 import math
@@ -69,6 +76,31 @@ def _fsync_write(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the renames inside directory ``path`` durable (a rename is an update of its directory)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap directories ``a`` and ``b`` in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    system cannot, and nothing was changed."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    error = ctypes.get_errno()
+    if error in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False  # the kernel or the file system cannot exchange
+    raise OSError(error, f"exchanging {a} and {b}: {os.strerror(error)}")
 
 
 @dataclass
@@ -187,21 +219,32 @@ def commit(staged: Staged, strategy: Strategy, written: Written) -> Path:
         }
         full["meta_sha256"] = _meta_digest(full)
         _fsync_write(staged.tmp / META, json.dumps(full, indent=1, sort_keys=True))
-        final = staged.final
-        if final.exists():
-            trash = staged.dirpath / f".old-{staged.name}"
-            shutil.rmtree(trash, ignore_errors=True)
-            final.rename(trash)
-            staged.tmp.rename(final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            staged.tmp.rename(final)
+        _fsync_dir(staged.tmp)
+        _move_into_place(staged)
         if staged.update_latest:
             pointer = staged.dirpath / f".{LATEST}.tmp"
             _fsync_write(pointer, staged.name)
             os.replace(pointer, staged.dirpath / LATEST)
+            _fsync_dir(staged.dirpath)
     strategy.barrier()
     return staged.final
+
+
+def _move_into_place(staged: Staged) -> None:
+    """``staged.tmp`` becomes ``staged.final`` durably, a checkpoint of that name already there or not."""
+    final, trash = staged.final, staged.dirpath / f".old-{staged.name}"
+    if not final.exists():
+        staged.tmp.rename(final)
+    elif _exchange(staged.tmp, final):  # the new one is in place in one step; the old one is in tmp
+        _fsync_dir(staged.dirpath)
+        shutil.rmtree(staged.tmp, ignore_errors=True)
+    else:
+        shutil.rmtree(trash, ignore_errors=True)
+        final.rename(trash)  # until the next rename, ``latest`` finds the old copy here (see ``latest``)
+        staged.tmp.rename(final)
+        _fsync_dir(staged.dirpath)
+        shutil.rmtree(trash, ignore_errors=True)
+    _fsync_dir(staged.dirpath)
 
 
 def save(
@@ -215,25 +258,33 @@ def save(
 
 
 def latest(dirpath: str | Path) -> Path | None:
-    """The checkpoint the ``latest`` pointer in ``dirpath`` names, or None."""
+    """The checkpoint the ``latest`` pointer in ``dirpath`` names, or None. A pointer whose checkpoint was being
+    replaced when the process died (only possible where directories cannot be exchanged atomically) finds the
+    copy set aside as ``.old-<name>``."""
     pointer = Path(dirpath) / LATEST
     if not pointer.is_file():
         return None
     target = Path(dirpath) / pointer.read_text().strip()
-    if not (target / META).is_file():
-        raise CheckpointError(
-            f"{pointer} points at {target.name!r}, which is not a complete checkpoint. "
-            f"Pass --ckpt_path with one of: {', '.join(str(p) for p in listing(dirpath)) or '(none)'}."
-        )
-    return target
+    if (target / META).is_file():
+        return target
+    aside = target.parent / f".old-{target.name}"
+    if (aside / META).is_file():
+        return aside
+    complete = listing(dirpath, hidden=True)
+    raise CheckpointError(
+        f"{pointer} points at {target.name!r}, which is not a complete checkpoint. Pass --ckpt_path with one of "
+        f"the complete checkpoints found: {', '.join(str(p) for p in complete) or '(none)'}."
+    )
 
 
-def listing(dirpath: str | Path) -> list[Path]:
-    """Committed checkpoints in ``dirpath``, oldest first."""
+def listing(dirpath: str | Path, hidden: bool = False) -> list[Path]:
+    """Committed checkpoints in ``dirpath``, oldest first; with ``hidden`` also complete copies a crash left
+    aside (``.old-<name>``, a written ``.tmp-<name>``)."""
     root = Path(dirpath)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / META).is_file()]
+    found = [p for p in root.iterdir() if p.is_dir() and (hidden or not p.name.startswith("."))
+             and (p / META).is_file()]
     return sorted(found, key=lambda p: (p / META).stat().st_mtime)
 
 

@@ -12,6 +12,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from trainkit import checkpoint as ckpt
 from trainkit.utils import jsonable
+from trainkit_strategies.state import StateMismatch
 
 if TYPE_CHECKING:
     from trainkit.trainer import Trainer
@@ -68,7 +69,13 @@ def restore(trainer: Trainer, path: Path, fn: str) -> dict[str, Any] | None:
     reader = ckpt.CheckpointReader(path)
     meta = reader.meta
     training = fn == "fit"
-    strategy.load_state(reader, meta["optimizer"]["param_groups"] if training else None)
+    try:
+        strategy.load_state(reader, meta["optimizer"]["param_groups"] if training else None)
+    except StateMismatch as err:
+        raise ckpt.CheckpointError(
+            f"Checkpoint {path} was saved from another model than this one. {err}\nLoad it into the model it was "
+            "trained with (the same class and --model options), or start without --ckpt_path."
+        ) from err
     module.on_load_checkpoint(meta.get("user", {}))
     if not training:
         return None

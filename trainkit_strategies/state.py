@@ -180,6 +180,10 @@ def _fill(holder: Holder, target: Tensor, key_of, reader: Reader) -> None:
         flat[seg.offset : seg.offset + seg.stop - seg.start].copy_(chunk)
 
 
+class StateMismatch(ValueError):
+    """A checkpoint's tensors do not fit the model (another architecture, or another configuration of it)."""
+
+
 def check_compatible(layout: StateLayout, reader: Reader) -> None:
     """Fail early, naming the tensors, when the checkpoint was saved from a different model."""
     problems = []
@@ -193,7 +197,8 @@ def check_compatible(layout: StateLayout, reader: Reader) -> None:
     problems += [f"{name}: in the checkpoint but not in the model" for name in extra]
     if problems:
         listed = "\n  ".join(problems[:20])
-        raise ValueError(f"The checkpoint does not match the model ({len(problems)} problem(s)):\n  {listed}")
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise StateMismatch(f"The checkpoint does not match the model ({len(problems)} problem(s)):\n  {listed}{more}")
 
 
 def load_model(layout: StateLayout, reader: Reader) -> None:
@@ -210,7 +215,7 @@ def load_optimizer(layout: StateLayout, reader: Reader, groups: Sequence[dict]) 
         return
     saved_names = [g["params"] for g in groups]
     if saved_names != layout.group_names:
-        raise ValueError(
+        raise StateMismatch(
             "The checkpoint's optimizer param groups do not match this run's: the checkpoint has "
             f"{len(saved_names)} group(s) of sizes {[len(g) for g in saved_names]}, configure_optimizers built "
             f"{len(layout.group_names)} of sizes {[len(g) for g in layout.group_names]}."

@@ -1,4 +1,4 @@
-"""Stopping mid-epoch and resuming continues bitwise-identically (DESIGN.md semantics 5)."""
+"""Stopping mid-epoch and resuming continues bitwise-identically (same seed, world size and strategy)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,26 @@
+"""The project's documents stand on their own: nothing cites design notes that are not in the repository (the
+project's design is docs/architecture.md), and every relative link between its markdown files resolves."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FILES = [p for folder in ("trainkit", "trainkit_strategies", "tests", "benchmarks", "examples", "docs")
+         for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".md")] + [ROOT / "README.md"]
+
+
+def test_no_file_cites_design_notes_outside_the_repository():
+    outside = ["DESIGN" + ".md", "STYLE" + ".md"]  # spelled apart so this file does not cite them
+    citing = sorted(str(p.relative_to(ROOT)) for p in FILES if any(name in p.read_text() for name in outside))
+    assert not citing, f"cite notes that are not in the repository: {citing}"
+
+
+def test_relative_links_between_documents_resolve():
+    broken = []
+    for page in [p for p in FILES if p.suffix == ".md"]:
+        for target in re.findall(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)", page.read_text()):
+            if not target.startswith("http") and not (page.parent / target).resolve().is_file():
+                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert not broken, broken
