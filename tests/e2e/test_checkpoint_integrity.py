@@ -105,8 +105,9 @@ def test_a_checkpoint_of_another_model_ends_in_one_error_block(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(
         [sys.executable, "-m", "trainkit.cli", "fit", "--trainer.default_root_dir", str(tmp_path),
-         "--trainer.max_steps", "20", "--trainer.enable_progress_bar", "false", "--data", "trainkit.demo.markov.MarkovData",
-         "--data.train_sequences", "640", "--model.n_embd", "32", "--ckpt_path", "last"],
+         "--trainer.max_steps", "20", "--trainer.enable_progress_bar", "false",
+         "--data", "trainkit.demo.markov.MarkovData", "--data.train_sequences", "640", "--model.n_embd", "32",
+         "--ckpt_path", "last"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
