@@ -13,9 +13,10 @@ checkpoint's model to safetensors. In your own script::
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import torch
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, lazy_instance
@@ -50,9 +51,46 @@ DEMO_TRAINER = {"max_steps": 2000, "val_check_interval": 500, "check_val_every_n
                 "log_every_n_steps": 25, "seed": 0}
 
 
+class Parser(ArgumentParser):
+    """jsonargparse's parser, with errors as one short block: the error, which names the fix, and where to find the
+    accepted options (not the 40-line usage before them); printed by rank 0 alone when trainkit launched the ranks
+    (every rank parses the same command line and would say the same thing)."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error:
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        prog = parser.prog.replace(" [options]", "")
+        if not (os.environ.get("TRAINKIT_LAUNCHED") and os.environ.get("RANK", "0") != "0"):
+            sys.stderr.write(f"trainkit: error: {_essential(message)}\nRun `{prog} --help` for the accepted "
+                             "options.\n")
+        self.exit(2)
+
+
+def _essential(message: str) -> str:
+    """What of jsonargparse's message the user needs: for a value no alternative of a union accepts (a strategy's
+    option out of range, say), the reason the intended class gave, not the list of every alternative's."""
+    if "Does not validate against any of the Union subtypes" not in message:
+        return message
+    key = message.split(":", 1)[0] + ": " if message.startswith("Parser key") else ""
+    reasons: list[list[str]] = []  # each alternative's reason: its bullet and the lines indented under it
+    depth = 0
+    for line in message.splitlines():
+        text = line.strip()
+        if text.startswith("- "):
+            depth = len(line) - len(line.lstrip())
+            reasons.append([text[2:]])
+        elif reasons and len(line) - len(line.lstrip()) > depth:
+            reasons[-1].append(text)
+        else:
+            depth = 1 << 30
+    chosen = [" ".join(r) for r in reasons if not r[0].startswith("Expected a")]
+    return key + chosen[0] if chosen else message
+
+
 def _subcommand_parser(name: str, model_class: type[TrainModule] | None,
                        datamodule_class: type[DataModule] | None) -> ArgumentParser:
-    parser = ArgumentParser(description=SUBCOMMANDS.get(name) or TOOLS[name], exit_on_error=True)
+    parser = Parser(description=SUBCOMMANDS.get(name) or TOOLS[name], exit_on_error=True)
     parser.add_argument("-c", "--config", action=ActionConfigFile, help="YAML config file (see --print_config).")
     parser.add_class_arguments(Trainer, "trainer", fail_untyped=False, instantiate=False)
     if model_class is None:
@@ -72,7 +110,7 @@ def _subcommand_parser(name: str, model_class: type[TrainModule] | None,
 
 def build_parser(model_class: type[TrainModule] | None = None,
                  datamodule_class: type[DataModule] | None = None) -> ArgumentParser:
-    parser = ArgumentParser(prog="trainkit", description="Train PyTorch models with trainkit.")
+    parser = Parser(prog="trainkit", description="Train PyTorch models with trainkit.")
     subcommands = parser.add_subcommands(required=True, dest="subcommand")
     for name in SUBCOMMANDS:
         subcommands.add_subcommand(name, _subcommand_parser(name, model_class, datamodule_class),
@@ -94,7 +132,7 @@ def build_parser(model_class: type[TrainModule] | None = None,
 
 
 def _export_parser() -> ArgumentParser:
-    parser = ArgumentParser(description=TOOLS["export"], exit_on_error=True)
+    parser = Parser(description=TOOLS["export"], exit_on_error=True)
     parser.add_argument("checkpoint", type=str, help="A checkpoint directory, or a directory with a `latest` pointer.")
     parser.add_argument("out", type=str, help="Directory to write the safetensors file(s) into.")
     parser.add_argument("--max_shard_size", type=str | None, default=None,

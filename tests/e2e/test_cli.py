@@ -77,3 +77,30 @@ def test_bad_values_fail_with_a_clear_message(tmp_path, capsys, args, message):
         main(args=["fit", "--trainer.default_root_dir", str(tmp_path), *args])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_bad_argument_prints_the_error_and_its_fix_once_without_the_usage(tmp_path):
+    """One short block: the error naming the fix and where the options are; not the 40-line usage first, and once
+    also when trainkit has launched the ranks (``--trainer.devices 2``: every rank fails the same way on the same
+    command line, and only rank 0 says so)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.e2e.cli_runs import ROOT
+
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    for args, message in [
+        (["--trainer.devices", "2", "--trainer.accelerator", "cpu", "--trainer.strategy", "zero2",
+          "--trainer.strategy.bucket_mb", "-1"], "trainkit: error: zero2 bucket_mb must be positive; got -1.0."),
+        (["--trainer.max_stepz", "3"], "trainkit: error: unrecognized arguments: --trainer.max_stepz 3"),
+        (["--trainer.devices", "2", "--trainer.accelerator", "cpu", "--trainer.strategy", "pipeline",  # after launch
+          "--trainer.strategy.stages", "3"],
+         "trainkit: error: pipeline: world_size=2 is not a multiple of stages=3; use a world size of stages x "
+         "replicas."),
+    ]:
+        proc = subprocess.run([sys.executable, "-m", "trainkit.cli", "fit", *args], capture_output=True, text=True,
+                              timeout=120, cwd=tmp_path, env=env)
+        assert proc.returncode == 2
+        lines = proc.stderr.strip().splitlines()
+        assert lines == [message, "Run `trainkit fit --help` for the accepted options."], proc.stderr
