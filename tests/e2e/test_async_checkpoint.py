@@ -115,3 +115,64 @@ def test_a_crash_during_the_background_write_keeps_the_previous_checkpoint(tmp_p
     resumed = _fit(tmp_path, True, ckpt_path="last")
     assert resumed.global_step == 8
     assert ckpt.latest(dirpath).name == "epoch=0-step=8"
+
+
+class WatchAll(Callback):
+    """On rank 0: at every step boundary, what ``latest`` names and whether rank 1 had made its file of that
+    checkpoint durable by then (rank 1 leaves a marker once its write is fsynced)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.seen = root, []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank != 0:
+            return
+        latest = self.root / "checkpoints" / "latest"
+        name = latest.read_text() if latest.exists() else None
+        self.seen.append((trainer.global_step, name, name is not None and (self.root / f"durable-{name}").exists()))
+
+
+def _slow_rank(rank: int, port: int, root: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    if rank == 1:  # rank 1's disk is slow: its file of every checkpoint takes a second and a half
+        real_write = ckpt.write_rank_file
+
+        def slow(tmp, r, pieces):
+            time.sleep(1.5)
+            written = real_write(tmp, r, pieces)
+            Path(root, f"durable-{tmp.name.removeprefix('.tmp-')}").touch()
+            return written
+
+        ckpt.write_rank_file = slow
+    watch = WatchAll(Path(root))
+    trainer = tk.Trainer(max_steps=12, seed=1, logger=False, enable_progress_bar=False, default_root_dir=root,
+                         accelerator="cpu", timeout_s=120,
+                         callbacks=[ModelCheckpoint(every_n_train_steps=4, save_top_k=-1, async_save=True), watch])
+    trainer.fit(Regression(), loader(regression_data(256), 4, shuffle=True))
+    if rank == 0:
+        Path(root, "seen.txt").write_text("\n".join(f"{s} {n} {d}" for s, n, d in watch.seen))
+    os._exit(0)
+
+
+def test_latest_lags_until_every_rank_has_made_its_file_durable(tmp_path):
+    """Two ranks, rank 1 writing slowly: ``latest`` moves to a checkpoint only once rank 1's file of it is durable,
+    so it lags behind the saves by the slow rank's write, and every save is committed by the end of fit."""
+    import torch.multiprocessing as mp
+
+    from tests.parity.harness import free_port
+
+    ctx = mp.start_processes(_slow_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + 180
+    while not ctx.join(timeout=2):
+        assert time.monotonic() < deadline, "the ranks did not finish"
+    seen = [line.split() for line in (tmp_path / "seen.txt").read_text().splitlines()]
+    moved = {name: int(step) for step, name, _ in reversed(seen) if name != "None"}
+    assert all(durable == "True" for _, name, durable in seen if name != "None"), seen
+    assert moved, "latest never moved during training"
+    first = min(moved.values())
+    assert first > 4, f"latest moved at step {first}, before rank 1's slow write of the step-4 checkpoint"
+    names = [p.name for p in ckpt.listing(tmp_path / "checkpoints")]
+    assert names == ["epoch=0-step=4", "epoch=0-step=8", "epoch=0-step=12"]
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "epoch=0-step=12"
