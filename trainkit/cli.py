@@ -139,6 +139,9 @@ def _export_parser() -> ArgumentParser:
                         help='Shards of at most this size ("5GB", "500MB") plus model.safetensors.index.json.')
     parser.add_argument("--dtype", type=str | None, default=None,
                         help='Convert floating-point tensors: "fp32", "bf16" or "fp16" (default: as stored).')
+    parser.add_argument("--submodule", type=str | None, default=None,
+                        help='Export only this submodule ("gpt" for self.gpt = GPT2LMHeadModel(...)), named as in it, '
+                             "with its config.json when it has one: a directory from_pretrained loads.")
     return parser
 
 
@@ -167,7 +170,7 @@ def _estimate(parser: ArgumentParser, cfg: Namespace, sub_parser: ArgumentParser
 
 def _export(cfg: Namespace, parser: ArgumentParser) -> None:
     try:
-        files = export(cfg.checkpoint, cfg.out, cfg.max_shard_size, cfg.dtype)
+        files = export(cfg.checkpoint, cfg.out, cfg.max_shard_size, cfg.dtype, cfg.submodule)
     except (CheckpointError, ValueError, OSError) as err:
         parser.error(str(err))
     for path in files:

@@ -77,7 +77,7 @@ def _write_shard(path: Path, entries: list[tuple[str, tuple[int, ...], torch.dty
 
 
 def export(checkpoint: str | Path, out: str | Path, max_shard_size: str | int | None = None,
-           dtype: str | None = None) -> list[Path]:
+           dtype: str | None = None, submodule: str | None = None) -> list[Path]:
     """Write the model of ``checkpoint`` (a checkpoint directory, or one holding a ``latest`` pointer) into
     the directory ``out``; returns the files written.
 
@@ -85,6 +85,9 @@ def export(checkpoint: str | Path, out: str | Path, max_shard_size: str | int | 
         max_shard_size: split into ``model-0000i-of-0000n.safetensors`` files of at most this size (bytes, or
             "5GB"-style) plus ``model.safetensors.index.json``; None writes one ``model.safetensors``.
         dtype: "fp32", "bf16" or "fp16" to convert floating-point tensors; None keeps the stored dtypes.
+        submodule: export only this submodule of the TrainModule (``"gpt"`` for ``self.gpt = GPT2LMHeadModel(...)``),
+            its tensors named as in the submodule itself, with its configuration as ``config.json`` when it has one
+            (a Hugging Face model's ``config``, recorded in the checkpoint): what ``from_pretrained`` loads.
     """
     path = Path(checkpoint)
     if not (path / META).is_file() and (path / LATEST).is_file():
@@ -94,26 +97,36 @@ def export(checkpoint: str | Path, out: str | Path, max_shard_size: str | int | 
     reader = CheckpointReader(path)
     if dtype is not None and dtype not in _DTYPE_NAMES:
         raise ValueError(f"export dtype must be one of {sorted(_DTYPE_NAMES)}; got {dtype!r}.")
+    prefix = f"model/{submodule}." if submodule else "model/"
     entries, source = [], {}
     for key in reader.keys():
-        if not key.startswith("model/"):
+        if not key.startswith(prefix):
             continue
         info = reader.info(key)
         assert info is not None
         shape, stored = info
         target = _DTYPE_NAMES[dtype] if dtype is not None and stored.is_floating_point else stored
-        name = key.removeprefix("model/")
+        name = key.removeprefix(prefix)
         entries.append((name, shape, target))
         source[name] = key
+    if not entries and submodule:
+        tops = sorted({k.removeprefix("model/").split(".")[0] for k in reader.keys() if k.startswith("model/")})
+        raise CheckpointError(f"{path} holds no tensors of a submodule {submodule!r}; its model's top-level "
+                              f"submodules are: {', '.join(tops)}.")
     if not entries:
         raise CheckpointError(f"{path} holds no model tensors to export.")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    config = reader.meta.get("configs", {}).get(submodule or "")
+    if config is not None:
+        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        written.append(out / "config.json")
     shards = _plan(entries, parse_size(max_shard_size) if max_shard_size is not None else None)
     if len(shards) == 1 and max_shard_size is None:
         target = out / "model.safetensors"
         _write_shard(target, shards[0], reader, source)
-        return [target]
+        return [target, *written]
     files, weight_map, total = [], {}, 0
     for i, shard in enumerate(shards, start=1):
         target = out / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
@@ -122,4 +135,4 @@ def export(checkpoint: str | Path, out: str | Path, max_shard_size: str | int | 
         files.append(target)
     index = out / "model.safetensors.index.json"
     index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    return [*files, index]
+    return [*files, index, *written]

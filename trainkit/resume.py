@@ -36,6 +36,7 @@ def checkpoint_meta(trainer: Trainer) -> dict[str, Any]:
         "scaler": trainer.scaler.state_dict() if trainer.scaler else None,
         "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},
         "datamodule": trainer.datamodule.state_dict() if trainer.datamodule is not None else None,
+        "configs": module_configs(module),
         "saved_at": time.time(),
     }
     user: dict[str, Any] = {}
@@ -44,6 +45,22 @@ def checkpoint_meta(trainer: Trainer) -> dict[str, Any]:
         cb.on_save_checkpoint(trainer, module, user)
     meta["user"] = user
     return meta
+
+
+def module_configs(module: Any) -> dict[str, dict[str, Any]]:
+    """The configurations of the submodules that carry one the way Hugging Face models do (a ``config`` with
+    ``to_dict()``), by submodule name ("" for the module itself), with the class it configures: what ``trainkit
+    export --submodule`` writes as ``config.json`` so ``from_pretrained`` can load the export."""
+    out = {}
+    for name, mod in module.named_modules():
+        config = getattr(mod, "config", None)
+        if callable(getattr(config, "to_dict", None)):
+            entry = jsonable(config.to_dict())
+            entry.setdefault("architectures", [type(mod).__name__])
+            if not entry["architectures"]:
+                entry["architectures"] = [type(mod).__name__]
+            out[name] = entry
+    return out
 
 
 def resolve(checkpoint_dir: Path, ckpt_path: str | Path) -> Path | None:

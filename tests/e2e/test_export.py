@@ -116,3 +116,83 @@ def test_export_cli_writes_shards_with_a_hugging_face_index(sharded_checkpoint, 
                 assert tensor.dtype == torch.bfloat16
                 assert torch.equal(tensor, reader.full(f"model/{name}").to(torch.bfloat16)), name
     assert index["metadata"]["total_size"] == total
+
+
+HF_MODULE = '''
+import sys
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from transformers import GPT2Config, GPT2LMHeadModel
+import trainkit as tk
+
+
+class Wrapped(tk.TrainModule):
+    """The most common module there is: a TrainModule around a Hugging Face model."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.gpt = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                              bos_token_id=0, eos_token_id=0))
+
+    def training_step(self, batch, batch_idx):
+        return self.gpt(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+if __name__ == "__main__":
+    tokens = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(1))
+    module = Wrapped()
+    trainer = tk.Trainer(devices=int(sys.argv[2]), accelerator="cpu", strategy=sys.argv[3], max_steps=3,
+                         logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=sys.argv[1])
+    trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=4))
+    if trainer.is_global_zero and sys.argv[3] == "single":
+        module.gpt.eval()
+        with torch.no_grad():
+            torch.save(module.gpt(input_ids=tokens[:2]).logits, sys.argv[1] + "/logits.pt")
+'''
+
+
+@pytest.mark.parametrize(("devices", "strategy"), [(1, "single"), (2, "fsdp")])
+def test_export_of_a_wrapped_hugging_face_model_loads_with_from_pretrained(tmp_path, devices, strategy):
+    """``trainkit export --submodule gpt``: the wrapper's prefix is gone and the model's own config.json sits beside
+    the weights (recorded in the checkpoint at save time), so ``from_pretrained`` loads the directory; its logits
+    equal the trained module's (single) and a sharded run's export loads the same way (fsdp at 2 ranks)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed; pip install "
+                                       "'trainkit[test]' installs it")
+    script = tmp_path / "train_hf.py"
+    script.write_text(HF_MODULE)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(devices), strategy], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", "trainkit.cli", "export", str(tmp_path / "checkpoints"), str(out),
+                           "--submodule", "gpt"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert not [k for k in f.keys() if k.startswith("gpt.")]
+    model = transformers.GPT2LMHeadModel.from_pretrained(out)
+    assert model.config.n_embd == 32 and model.config.n_layer == 2
+    if strategy == "single":
+        model.eval()
+        tokens = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            logits = model(input_ids=tokens[:2]).logits
+        torch.testing.assert_close(logits, torch.load(tmp_path / "logits.pt"), rtol=0, atol=1e-5)
+
+
+def test_export_of_a_missing_submodule_names_the_ones_there(tmp_path):
+    from tests.helpers import Regression, loader, quiet_trainer, regression_data
+    from trainkit.callbacks import ModelCheckpoint
+    from trainkit.checkpoint import CheckpointError
+    from trainkit.export import export
+
+    quiet_trainer(tmp_path, max_steps=2, callbacks=[ModelCheckpoint()]).fit(Regression(), loader(regression_data(8), 4))
+    with pytest.raises(CheckpointError, match="no tensors of a submodule 'gpt'; its model's top-level submodules "
+                                              "are: net"):
+        export(tmp_path / "checkpoints", tmp_path / "out", submodule="gpt")
