@@ -25,7 +25,7 @@ from trainkit import launcher
 from trainkit.checkpoint import CheckpointError
 from trainkit.data import DataModule
 from trainkit.demo.gpt import DemoGPT
-from trainkit.estimate import estimate, one_batch
+from trainkit.estimate import NoBatch, estimate, one_batch
 from trainkit.export import export
 from trainkit.module import TrainModule
 from trainkit.seed import seed_everything
@@ -155,7 +155,10 @@ def _estimate(parser: ArgumentParser, cfg: Namespace, sub_parser: ArgumentParser
         init = parser.instantiate(cfg).estimate
     model, data, args = init.model, init.data, sub_cfg.trainer
     try:
-        batch = one_batch(model, data)
+        try:
+            batch = one_batch(model, data)
+        except NoBatch:  # the model-state columns need none; the activations and the step's bytes are unknown
+            batch = None
         world = (sub_cfg.devices_per_node or args.devices) * (sub_cfg.nodes or args.num_nodes)
         device_type = sub_cfg.device_type or Environment.accelerator_type(args.accelerator)
         memory = sub_cfg.device_memory

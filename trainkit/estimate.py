@@ -2,12 +2,14 @@
 
 ``estimate()`` builds nothing real. The module's parameters live on the meta device; each strategy is set
 up on a copy of it exactly as in training (same buckets, padding, shards, offload placement), at the
-rank and world size asked for, with communication skipped, and its ``memory_report()`` (the accounting
-the live strategy reports) gives the model-state bytes on the device and on the host; the optimizer's
-state is created the way its first step creates it. Activations are the bytes autograd saves for
-backward in one micro-batch's ``training_step`` traced on the meta device (``ActivationMeter``), with
-and without activation checkpointing. Communication is the payload per optimizer step, per rank, in
-``Comm``'s units, read off the strategy's buckets (padding included).
+rank and world size asked for, with a ``PlanComm`` that counts every byte and moves none, and takes one
+optimizer step as a run takes it. Its ``memory_report()`` at that step's peak (gradients held, optimizer state
+created) gives the model-state bytes on the device and on the host; the setup's peak is measured while it
+builds its buckets or shards (``LiveBytes``); the step's bytes per collective kind are what its own code issued
+(padding, buffer broadcasts, compression, a pipeline's activations, a persistent unit gathered once).
+Activations are the bytes autograd saves for backward in one micro-batch's ``training_step`` traced with fake
+tensors (``ActivationMeter``) under the precision's autocast, with each parameter in the dtype the strategy
+computes with, with and without activation checkpointing.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from torch.optim import Optimizer
 from trainkit.activation import apply_activation_checkpointing
 from trainkit.optim import parse_optimizers
 from trainkit.step import unpack_output
-from trainkit_strategies import ActivationMeter, Environment, Precision, SelfReducing, get_strategy
-from trainkit_strategies.comm import Comm
+from trainkit_strategies import ActivationMeter, Environment, Precision, RunsSchedule, SelfReducing, get_strategy
+from trainkit_strategies.comm import PlanComm
 from trainkit_strategies.fsdp import FSDPStrategy
 from trainkit_strategies.memory import LiveBytes
 
@@ -54,6 +56,10 @@ def _count(n: int) -> str:
     return next((f"{n / size:.2f}{unit}" for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)) if n >= size), str(n))
 
 
+def _maybe(n: float | None) -> str:
+    return "?" if n is None else human(n)
+
+
 def human(n: float) -> str:
     for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if abs(n) >= size:
@@ -68,22 +74,25 @@ class StrategyEstimate:
     strategy: str
     device: int = 0  # model state on the device: parameters, gradients, master weights, optimizer state, buffers
     host: int = 0  # model state in host memory (offload)
-    activations: int = 0  # saved for backward, one micro-batch
-    activations_checkpointed: int = 0  # the same under activation checkpointing
-    comm: int = 0  # payload per optimizer step
+    activations: int | None = 0  # saved for backward, one micro-batch (None: unknown, no batch to trace)
+    activations_checkpointed: int | None = 0  # the same under activation checkpointing
+    comm: int | None = 0  # payload per optimizer step, as the strategy's own step issued it (None: no batch)
     detail: dict[str, int] = field(default_factory=dict)  # device bytes by category
     note: str = ""  # the pipeline's stage split, or why the strategy does not apply
     setup: int = 0  # device bytes at the peak of setup (measured while the strategy builds its buckets or shards)
     pinned: int = 0  # the page-locked part of ``host`` (what crosses the bus)
+    comm_by_kind: dict[str, int] = field(default_factory=dict)  # ``comm`` by collective kind (Comm.stats's)
+    rank: int = 0  # the rank planned (the heaviest: not rank 0, padding lands on the last ranks; a pipeline's stage)
 
     @property
     def applies(self) -> bool:
         return not self.note.startswith("n/a")
 
     def need(self, checkpointed: bool = False) -> int:
-        """Device bytes for training: model state plus one micro-batch's activations (checkpointed or not), or the
-        setup's peak when that is higher."""
-        return max(self.setup, self.device + (self.activations_checkpointed if checkpointed else self.activations))
+        """Device bytes for training: model state plus one micro-batch's activations (checkpointed or not; none when
+        unknown), or the setup's peak when that is higher."""
+        activations = self.activations_checkpointed if checkpointed else self.activations
+        return max(self.setup, self.device + (activations or 0))
 
     @property
     def peak(self) -> int:
@@ -117,8 +126,11 @@ class Estimate:
                 lines.append(f"{r.strategy:<13}{'':>95}  {'-':<4}  {r.note}")
                 continue
             lines.append(f"{r.strategy:<13}{human(r.device):>14}{human(r.host):>12}{human(r.pinned):>11}"
-                         f"{human(r.activations):>13}{human(r.activations_checkpointed):>11}{human(r.setup):>12}"
-                         f"{human(r.comm):>12}  {fits:<4}  {r.note}")
+                         f"{_maybe(r.activations):>13}{_maybe(r.activations_checkpointed):>11}{human(r.setup):>12}"
+                         f"{_maybe(r.comm):>12}  {fits:<4}  {r.note}")
+        if any(r.applies and r.activations is None for r in self.rows):
+            lines.append("activations and comm/step are unknown without a batch to trace: pass --data (a DataModule)"
+                         " or give the model a train_dataloader(); in Python, estimate(model, batch).")
         return "\n".join(lines)
 
 
@@ -140,44 +152,6 @@ def _optimizer(module: nn.Module) -> Optimizer:
         return parse_optimizers(module.configure_optimizers()).optimizer
     except Exception:  # configure_optimizers may need a Trainer; plan with plain AdamW then
         return torch.optim.AdamW(module.parameters())
-
-
-def _init_state(optimizer: Optimizer) -> None:
-    """Create the optimizer's state as its first step does, on meta tensors (no arithmetic happens); gradients
-    the strategy holds are left as they were."""
-    saved, grads = [], {}
-    for group in optimizer.param_groups:
-        saved.append(group.get("fused"))
-        if "fused" in group:
-            group["fused"] = False  # no fused kernel for meta tensors; the state it creates is the same
-        for p in group["params"]:
-            grads[p] = p.grad
-            p.grad = torch.empty_like(p) if p.grad is None else p.grad
-    optimizer.step()
-    for group, fused in zip(optimizer.param_groups, saved, strict=True):
-        if fused is not None:
-            group["fused"] = fused
-        for p in group["params"]:
-            p.grad = grads[p]
-
-
-def _comm_bytes(strategy: Any) -> int:
-    """Payload per optimizer step and rank, by the strategy's buckets (``Comm``'s conventions)."""
-    if strategy.world_size == 1:
-        return 0
-    name = strategy.name
-    if name == "ddp":
-        return sum(b.buffer.numel() * b.buffer.element_size() for b in strategy._buckets)
-    if name in ("zero1", "zero2", "zero_offload"):
-        size = strategy.precision.working_dtype.itemsize
-        return 2 * sum(b.padded for b in strategy.buckets) * size
-    if name in ("zero3", "fsdp"):
-        size = strategy.precision.working_dtype.itemsize
-        reduced = sum(b.layout.padded for b in strategy.buckets) * strategy.grad_dtype.itemsize
-        return 2 * sum(b.layout.padded for b in strategy.buckets) * size + reduced
-    if name == "pipeline":
-        return _comm_bytes(strategy.inner)
-    return 0
 
 
 def _activations(module: nn.Module, batch: Any, precision: Precision, device_type: str,
@@ -217,28 +191,71 @@ def _activations(module: nn.Module, batch: Any, precision: Precision, device_typ
 
 
 def _setup(name: str, module: nn.Module, precision: Precision, world_size: int, rank: int, batch: Any,
-           device_type: str = "cpu", **options: Any) -> tuple[Any, int]:
-    """``name`` set up on a meta copy of ``module`` as rank ``rank`` of ``world_size``, after one backward on the
-    meta device (buffers a strategy allocates on first use exist then, as in a run) and with the optimizer state
-    its first step creates; and the most device bytes its setup held at once. Host memory is on the meta device too;
-    on ``device_type`` "cuda" it is laid out as apart from the device's (offload's device scratch and page-locked
-    copies)."""
+           device_type: str = "cpu", trace_on: str = "cpu", crossing: dict | None = None,
+           **options: Any) -> tuple[Any, int, dict[str, int]]:
+    """``name`` set up on a meta copy of ``module`` as rank ``rank`` of ``world_size`` with a ``PlanComm`` (every byte
+    counted, none moved), then one optimizer step taken as a run takes it (forward and backward of ``batch`` or the
+    pipeline's schedule, the reduction, the update), left at its peak: gradients still held, the optimizer state
+    created. Returns the strategy, the most device bytes its setup held at once, and the bytes the step's
+    collectives and transfers carried by kind. Without a batch the backward is a synthetic one that touches every
+    parameter (model state as in a run; the bytes then leave out what depends on the data). Host memory is on the
+    meta device too; on ``device_type`` "cuda" it is laid out as apart from the device's."""
     model = meta_copy(module)
     strategy = get_strategy(name, **options)
     env = Environment(device=META, rank=rank, local_rank=rank, world_size=world_size, host=META,
                       separate_host=device_type == "cuda")
-    strategy.setup_environment(env, comm=Comm(device=META))  # the layouts of world_size ranks, no communication
+    strategy.setup_environment(env, comm=PlanComm(world_size, rank, META))
     with LiveBytes(META) as setup:
         strategy.setup(model, _optimizer(model), precision)
-    if name != "pipeline":  # its schedule exchanges activations, which a meta rank has nobody to send to
+    comms = strategy.comms()
+    for comm in comms:
+        comm.stats.reset()
+    if strategy.optimizer is not None:
         model.train()
-        loss, _ = unpack_output(model.training_step(apply_to_collection(batch, torch.Tensor, lambda t: t.to(META)), 0))
+        _one_step(strategy, model, module, batch, precision, trace_on, crossing)
+    moved: dict[str, int] = {}
+    for comm in comms:
+        for kind, n in comm.stats.bytes.items():
+            moved[kind] = moved.get(kind, 0) + n
+    return strategy, setup.peak, moved
+
+
+def _one_step(strategy: Any, model: nn.Module, module: nn.Module, batch: Any, precision: Precision,
+              trace_on: str, crossing: dict | None) -> None:
+    meta_batch = None if batch is None else \
+        precision.convert_input(apply_to_collection(batch, torch.Tensor, lambda t: t.to(META)))
+    if isinstance(strategy, RunsSchedule) and meta_batch is not None:
+        if crossing is None:
+            crossing = _crossing(strategy, module, batch, precision, trace_on)
+        strategy.expect(crossing)
+        strategy.run_schedule(model, meta_batch, 1.0)
+    elif meta_batch is not None and not isinstance(strategy, RunsSchedule):
+        with strategy.forward_context():
+            loss, _ = unpack_output(model.training_step(meta_batch, 0))
         if loss is not None:
             strategy.backward(loss)
-            strategy.reduce_gradients(1.0)
-    if strategy.optimizer is not None:
-        _init_state(strategy.optimizer)
-    return strategy, setup.peak
+    else:  # no data: a backward that reaches every trainable parameter this rank runs
+        params = [p for p in (strategy.inner.module if isinstance(strategy, RunsSchedule) else model).parameters()
+                  if p.requires_grad]
+        if params:
+            (strategy.inner if isinstance(strategy, RunsSchedule) else strategy).backward(
+                torch.stack([p.sum() for p in params]).sum() * 0)
+    strategy.reduce_gradients(1.0)
+    strategy.optimizer_step()  # its collectives counted, its state created; gradients are still held
+
+
+def _crossing(strategy: Any, module: nn.Module, batch: Any, precision: Precision, trace_on: str) -> dict:
+    """What crosses a planned pipeline's boundaries, traced with fake tensors where autocast runs as in the run (the
+    dtype of an activation crossing a boundary is the forward's)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    full = meta_copy(module)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        full.to_empty(device=trace_on)
+        fake = precision.convert_input(
+            apply_to_collection(batch, torch.Tensor, lambda t: mode.from_tensor(t.to(trace_on))))
+        with torch.no_grad(), precision.forward_context(torch.device(trace_on)):
+            return strategy.crossing(full, fake)
 
 
 def estimate(module: nn.Module, batch: Any, world_size: int = 1, precision: str = "32",
@@ -249,11 +266,14 @@ def estimate(module: nn.Module, batch: Any, world_size: int = 1, precision: str 
     module is copied there) on ``world_size`` ranks, one row per strategy.
 
     Args:
-        batch: one micro-batch as a rank sees it (any device; only its shapes and dtypes matter).
+        batch: one micro-batch as a rank sees it (any device; only its shapes and dtypes matter), or None: the
+            model-state columns only (activations and the step's bytes depend on the data).
         precision: the Trainer's precision.
         device_memory: bytes per device ("80GB") to say which plans fit (with 10% headroom).
         activation_checkpointing: the policy for the checkpointed column (default: the repeated blocks).
-        device_type: "cpu" or "cuda": where autocast is traced for the activation columns.
+        device_type: "cpu" or "cuda": the device the run will train on (a GPU's host memory is apart from its own:
+            offload's page-locked copies and device scratch); activations are traced with its autocast when it is
+            available here, else on the CPU.
     """
     module = meta_copy(module)
     module.configure_model()
@@ -269,32 +289,37 @@ def estimate(module: nn.Module, batch: Any, world_size: int = 1, precision: str 
         if issubclass(optimizer, SelfReducing) and not get_strategy(name).accepts_self_reducing:
             rows.append(StrategyEstimate(name, note=f"n/a: {optimizer.__name__} does not run under {name}"))
             continue
-        strategy, setup_peak = _heaviest(name, module, policy, world_size, batch, device_type)
-        dtypes = {n: p.dtype for n, p in strategy.module.named_parameters()}
-        key = tuple(sorted((n, str(d)) for n, d in dtypes.items()))
-        if key not in traced:
-            traced[key] = _activations(module, batch, policy, trace_on, activation_checkpointing, dtypes)
-        plain, checkpointed = traced[key]
+        strategy, setup_peak, moved = _heaviest(name, module, policy, world_size, batch, device_type, trace_on)
+        plain = checkpointed = None
+        if batch is not None:
+            dtypes = {n: p.dtype for n, p in strategy.module.named_parameters()}
+            key = tuple(sorted((n, str(d)) for n, d in dtypes.items()))
+            if key not in traced:
+                traced[key] = _activations(module, batch, policy, trace_on, activation_checkpointing, dtypes)
+            plain, checkpointed = traced[key]
         report = strategy.memory_report()
         note = f"{strategy.stages} stages x {strategy.replicas} replicas, layers {strategy.stage_sizes}" \
             if name == "pipeline" else ""
         rows.append(StrategyEstimate(name, report.device_total, report.host_total, plain, checkpointed,
-                                     _comm_bytes(strategy), dict(report.device), note, setup_peak, report.pinned))
+                                     sum(moved.values()) if batch is not None else None, dict(report.device), note,
+                                     setup_peak, report.pinned, moved, strategy.rank))
     params = sum(p.numel() for p in module.parameters())
     memory = parse_bytes(device_memory) if device_memory is not None else None
     return Estimate(params, world_size, policy.name, rows, memory)
 
 
 def _heaviest(name: str, module: nn.Module, precision: Precision, world_size: int, batch: Any,
-              device_type: str) -> tuple[Any, int]:
+              device_type: str, trace_on: str) -> tuple[Any, int, dict[str, int]]:
     """The strategy as set up on the rank that holds the most: not rank 0 (uneven shards' padding lands on the
     last ranks), and under pipeline the heaviest stage, with as many stages as the world and the layers allow."""
     if name != "pipeline":
-        return _setup(name, module, precision, world_size, 1 if world_size > 1 else 0, batch, device_type)
+        return _setup(name, module, precision, world_size, 1 if world_size > 1 else 0, batch, device_type, trace_on)
     layers = len(module.pipeline_layers())
     stages = max(d for d in range(1, world_size + 1) if world_size % d == 0 and d <= layers)
-    setups = [_setup(name, module, precision, world_size, rank, batch, device_type, stages=stages)
-              for rank in range(stages)]
+    first = _setup(name, module, precision, world_size, 0, None, device_type, trace_on, stages=stages)[0]
+    crossing = _crossing(first, module, batch, precision, trace_on) if batch is not None else None  # traced once
+    setups = [_setup(name, module, precision, world_size, rank, batch, device_type, trace_on, crossing,
+                     stages=stages) for rank in range(stages)]
     return max(setups, key=lambda s: s[0].memory_report().device_total)
 
 
@@ -305,9 +330,13 @@ def one_batch(module: nn.Module, data: Any = None) -> Any:
         data.setup("fit")
     loader = source.train_dataloader()
     if loader is None:
-        raise ValueError("estimate needs one training batch to trace: pass --data, or implement train_dataloader() "
-                         "on the module.")
+        raise NoBatch("estimate needs one training batch to trace activations: pass --data, or implement "
+                      "train_dataloader() on the module.")
     return first_batch(loader)
+
+
+class NoBatch(ValueError):
+    """The model has no data to take a batch from (``trainkit estimate`` then plans model state only)."""
 
 
 def first_batch(loader: Any) -> Any:

@@ -71,6 +71,8 @@ class ChunkedAdam:
         """One Adam(W) step of ``master`` (fp32, host) with ``grad * mult`` (any float dtype, host); then
         ``out`` (same numel) receives the updated master in its own dtype."""
         state = _state(self.optimizer, group, master)
+        if master.is_meta:  # a strategy planned on the meta device (trainkit estimate): the state exists, no values
+            return
         state["step"].add_(1)
         unscale = None
         if not (isinstance(mult, float | int) and mult == 1.0):

@@ -289,6 +289,30 @@ class PipelineStrategy(Strategy, RunsSchedule):
         self._send_f = [channel(k, "F", 1) if k < last else None for k in ks]
         self._recv_b = [channel(k, "B", 1) if k < last else None for k in ks]
 
+    def crossing(self, module: nn.Module, batch: Any) -> dict[int, dict[tuple, tuple[tuple[int, ...], torch.dtype]]]:
+        """The shape and dtype of what crosses each chunk boundary for each micro-batch signature of ``batch``, found
+        by running ``module`` (a whole copy of the model, on any device: fake tensors, say) through its layers as the
+        chunks split them; for ``expect``."""
+        layers = list(module.pipeline_layers())
+        bounds = [sum(self.stage_sizes[:k]) for k in range(len(self.stage_sizes) + 1)]
+        crossing: dict[int, dict[tuple, tuple[tuple[int, ...], torch.dtype]]] = {}
+        for chunk in self._chunks(batch):
+            x = self._input(module, chunk)
+            for k in range(len(bounds) - 2):
+                for layer in layers[bounds[k] : bounds[k + 1]]:
+                    x = layer(x)
+                crossing.setdefault(k, {})[_signature(chunk)] = (tuple(x.shape), x.dtype)
+        return crossing
+
+    def expect(self, crossing: dict[int, dict[tuple, tuple[tuple[int, ...], torch.dtype]]]) -> None:
+        """Tell this rank's channels what crosses their boundaries (``crossing``), as the first step's shape headers
+        would: for a rank planned alone (``trainkit estimate``), which no peer sends headers to."""
+        for c, k in enumerate(self._virtual):
+            for channel, boundary in ((self._recv_f[c], k - 1), (self._send_b[c], k - 1), (self._send_f[c], k),
+                                      (self._recv_b[c], k)):
+                if channel is not None:
+                    channel.shapes.update(crossing[boundary])
+
     def _split(self, sizes: list[int]) -> list[int]:
         chunks = self.stages * self.virtual_stages
         if self.split is None:

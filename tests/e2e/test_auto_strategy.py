@@ -56,3 +56,27 @@ def test_auto_with_nothing_fitting_names_the_smallest_plan(tmp_path):
     assert proc.returncode != 0
     assert "No strategy fits in" in proc.stderr and f"the smallest plan is {smallest.strategy}" in proc.stderr, \
         proc.stderr[-3000:]
+
+
+def test_auto_under_checkpointing_says_the_size_it_decided_with(tmp_path):
+    """With activation checkpointing the plan that fits is measured with checkpointed activations, and the line
+    says that size (it said the uncheckpointed one)."""
+    from trainkit.demo.gpt import Block
+    from trainkit.estimate import human
+
+    with torch.device("meta"):
+        module = DemoGPT()
+    data = MarkovData(train_sequences=256, val_sequences=32)
+    data.setup("fit")
+    plan = estimate(module, first_batch(data.train_dataloader()), world_size=2, activation_checkpointing=[Block],
+                    strategies=["ddp", "zero1", "zero2", "fsdp", "zero_offload"])
+    ddp = plan.row("ddp")
+    assert ddp.need(True) != ddp.need(False)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-m", "trainkit.cli", "fit", *ARGS, "--trainer.default_root_dir",
+                           str(tmp_path), "--trainer.device_memory", str(10 * ddp.need(False)),
+                           "--trainer.activation_checkpointing", "[trainkit.demo.gpt.Block]"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"strategy='auto': ddp, the fastest plan that fits: {human(ddp.need(True))} per rank" in proc.stdout, \
+        proc.stdout[-2000:]
