@@ -209,7 +209,7 @@ def test_estimated_bytes_per_step_equal_a_real_step(precision):
         world = SimWorld(2, device=CPU)
         models = [_gpt() for _ in range(2)]
 
-        def rank(r: int, name: str = name) -> dict[str, int]:
+        def rank(r: int, name: str = name, world: SimWorld = world, models: list = models) -> dict[str, int]:
             strategy = get_strategy(name, **({"stages": 2} if name == "pipeline" else {}))
             strategy.setup_environment(Environment(rank=r, world_size=2), comm=world.comm(r))
             module = models[r]
@@ -252,7 +252,7 @@ def test_estimated_activations_follow_precision_and_strategy(precision):
         world = SimWorld(2, device=CPU)
         models = [_gpt() for _ in range(2)]
 
-        def rank(r: int, name: str = name) -> int:
+        def rank(r: int, name: str = name, world: SimWorld = world, models: list = models) -> int:
             strategy = get_strategy(name)
             strategy.setup_environment(Environment(rank=r, world_size=2), comm=world.comm(r))
             module = models[r]
