@@ -38,7 +38,7 @@ from torch import nn
 
 from trainkit_strategies import Environment, Precision, get_strategy
 from trainkit_strategies.comm import Comm
-from trainkit_strategies.schedules import SCHEDULES, simulate
+from trainkit_strategies.pipeline.schedules import SCHEDULES, simulate
 
 Step = Callable[[], None]
 PAIRS = [("1f1b", 1, "Schedule1F1B"), ("interleaved_1f1b", 2, "ScheduleInterleaved1F1B"),

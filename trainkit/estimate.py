@@ -31,8 +31,8 @@ from trainkit.optim import parse_optimizers
 from trainkit.step import unpack_output
 from trainkit_strategies import ActivationMeter, Environment, Precision, RunsSchedule, SelfReducing, get_strategy
 from trainkit_strategies.comm import PlanComm
-from trainkit_strategies.fsdp import FSDPStrategy
 from trainkit_strategies.memory import LiveBytes
+from trainkit_strategies.sharding.fsdp import FSDPStrategy
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero_offload", "zero3", "fsdp", "pipeline")
 AUTO_ORDER = ("ddp", "zero1", "zero2", "fsdp", "zero_offload")  # fastest first, as strategy="auto" tries them

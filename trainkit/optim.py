@@ -10,7 +10,7 @@ from typing import Any
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-from trainkit_strategies.onebit import OneBitAdam
+from trainkit_strategies.data_parallel.onebit import OneBitAdam
 
 __all__ = ["OneBitAdam", "OptimizerConfig", "parse_optimizers"]
 

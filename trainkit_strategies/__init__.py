@@ -1,10 +1,11 @@
 """trainkit's distributed strategies, on torch.distributed collectives. Never imports trainkit."""
 
-from trainkit_strategies.base import Environment, RunsSchedule, SelfReducing, ShardedInit, Strategy
+from trainkit_strategies.base import RunsSchedule, SelfReducing, ShardedInit, Strategy
+from trainkit_strategies.data_parallel.single import SingleStrategy
+from trainkit_strategies.environment import Environment
 from trainkit_strategies.memory import ActivationMeter, MemoryReport
 from trainkit_strategies.precision import DynamicLossScaler, Precision
 from trainkit_strategies.registry import available, get_strategy, strategy_class
-from trainkit_strategies.single import SingleStrategy
 
 __all__ = [
     "ActivationMeter",

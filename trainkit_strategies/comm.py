@@ -35,7 +35,7 @@ from torch import Tensor
 from trainkit_strategies.liveness import Heartbeat
 
 if TYPE_CHECKING:
-    from trainkit_strategies.base import Environment
+    from trainkit_strategies.environment import Environment
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.AVG}
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

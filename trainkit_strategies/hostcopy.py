@@ -28,7 +28,7 @@ from torch import Tensor
 from trainkit_strategies.memory import page_locked, planned_host
 
 if TYPE_CHECKING:
-    from trainkit_strategies.base import Environment
+    from trainkit_strategies.environment import Environment
 
 
 def host_buffer(numel: int, dtype: torch.dtype, env: Environment, pinned: bool = False) -> Tensor:

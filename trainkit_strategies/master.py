@@ -17,7 +17,8 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 from trainkit_strategies import state as st
-from trainkit_strategies.base import Environment, sharded_norm
+from trainkit_strategies.base import sharded_norm
+from trainkit_strategies.environment import Environment
 from trainkit_strategies.flat import FlatBucket
 from trainkit_strategies.host_adam import ChunkedAdam, chunked_adam_supported
 from trainkit_strategies.hostcopy import host_buffer, synchronize

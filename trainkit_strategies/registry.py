@@ -9,14 +9,14 @@ from typing import Any
 from trainkit_strategies.base import Strategy
 
 _BUILTIN = {
-    "single": "trainkit_strategies.single:SingleStrategy",
-    "ddp": "trainkit_strategies.ddp:DDPStrategy",
-    "zero1": "trainkit_strategies.zero:Zero1Strategy",
-    "zero2": "trainkit_strategies.zero:Zero2Strategy",
-    "zero_offload": "trainkit_strategies.offload:ZeroOffloadStrategy",
-    "zero3": "trainkit_strategies.zero3:Zero3Strategy",
-    "fsdp": "trainkit_strategies.fsdp:FSDPStrategy",
-    "pipeline": "trainkit_strategies.pipeline:PipelineStrategy",
+    "single": "trainkit_strategies.data_parallel.single:SingleStrategy",
+    "ddp": "trainkit_strategies.data_parallel.ddp:DDPStrategy",
+    "zero1": "trainkit_strategies.data_parallel.zero:Zero1Strategy",
+    "zero2": "trainkit_strategies.data_parallel.zero:Zero2Strategy",
+    "zero_offload": "trainkit_strategies.data_parallel.offload:ZeroOffloadStrategy",
+    "zero3": "trainkit_strategies.sharding.zero3:Zero3Strategy",
+    "fsdp": "trainkit_strategies.sharding.fsdp:FSDPStrategy",
+    "pipeline": "trainkit_strategies.pipeline.executor:PipelineStrategy",
 }
 
 

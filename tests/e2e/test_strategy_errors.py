@@ -8,7 +8,7 @@ import torch
 from tests.helpers import Regression, RoutedRegression, loader, quiet_trainer, regression_data
 from trainkit.callbacks import Callback
 from trainkit_strategies import Environment, get_strategy
-from trainkit_strategies.ddp import DDPStrategy
+from trainkit_strategies.data_parallel.ddp import DDPStrategy
 
 
 def test_unused_parameter_without_find_unused_is_named(tmp_path):

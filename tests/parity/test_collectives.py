@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from tests.parity.harness import free_port
 from trainkit_strategies import Environment
 from trainkit_strategies.comm import Comm
-from trainkit_strategies.onebit import SignReduceScatter, compressed_all_reduce
+from trainkit_strategies.data_parallel.onebit import SignReduceScatter, compressed_all_reduce
 
 WORLD = 3
 N = 8 * WORLD * 40  # elements; a multiple of 8 bits per rank

@@ -10,8 +10,14 @@ import torch
 
 from trainkit.optim import OneBitAdam
 from trainkit_strategies.comm import Comm
-from trainkit_strategies.onebit import compress, compressed_all_reduce, decompress, pack_signs, unpack_signs
-from trainkit_strategies.powersgd import PowerSGD, orthogonalise
+from trainkit_strategies.data_parallel.onebit import (
+    compress,
+    compressed_all_reduce,
+    decompress,
+    pack_signs,
+    unpack_signs,
+)
+from trainkit_strategies.data_parallel.powersgd import PowerSGD, orthogonalise
 
 
 def _groups(model: torch.nn.Module) -> list[dict]:

@@ -9,7 +9,7 @@ from torch import nn
 
 from trainkit_strategies import Environment, Precision, get_strategy
 from trainkit_strategies.base import _local_norm
-from trainkit_strategies.fsdp import FSDPStrategy
+from trainkit_strategies.sharding.fsdp import FSDPStrategy
 
 
 def test_fp16_norm_above_fp16_range_is_finite():

@@ -15,8 +15,8 @@ from torch.overrides import TorchFunctionMode
 
 from trainkit_strategies import Environment, Precision, get_strategy
 from trainkit_strategies import master as master_module
+from trainkit_strategies.data_parallel.zero import OffloadedGradients
 from trainkit_strategies.host_adam import ChunkedAdam
-from trainkit_strategies.zero import OffloadedGradients
 
 
 @pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainkit_strategies.schedules import (
+from trainkit_strategies.pipeline.schedules import (
     SCHEDULES,
     Action,
     check,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from trainkit_strategies.sharded import ShardedStrategy
+from trainkit_strategies.sharding.engine import ShardedStrategy
 
 
 class FSDPStrategy(ShardedStrategy):

@@ -15,7 +15,7 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
-from trainkit_strategies.deferred import Replayer
+from trainkit_strategies.sharding.deferred import Replayer
 
 
 def materialise_meta(root: nn.Module, homes: dict[Tensor, Tensor], replayer: Replayer | None,

@@ -36,11 +36,11 @@ from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
 from trainkit_strategies.base import SelfReducing, Strategy
+from trainkit_strategies.data_parallel.onebit import SignReduceScatter
 from trainkit_strategies.flat import BucketReducer, FlatBucket, OrderedLauncher, pack
 from trainkit_strategies.hostcopy import CopyStream, host_buffer, mark
 from trainkit_strategies.master import DeferredGradScale, MasterShards, transfer
 from trainkit_strategies.memory import MemoryReport
-from trainkit_strategies.onebit import SignReduceScatter
 from trainkit_strategies.precision import DTYPE_NAMES, Precision
 
 

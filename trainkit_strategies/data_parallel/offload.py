@@ -29,11 +29,11 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
+from trainkit_strategies.data_parallel.zero import Zero2Strategy
 from trainkit_strategies.flat import FlatBucket
 from trainkit_strategies.hostcopy import CopyStream, host_buffer
 from trainkit_strategies.memory import MemoryReport
 from trainkit_strategies.precision import Precision
-from trainkit_strategies.zero import Zero2Strategy
 
 
 class ZeroOffloadStrategy(Zero2Strategy):

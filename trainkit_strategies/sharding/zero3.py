@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from trainkit_strategies.sharded import ShardedStrategy
+from trainkit_strategies.sharding.engine import ShardedStrategy
 
 
 class Zero3Strategy(ShardedStrategy):

@@ -35,14 +35,15 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
-from trainkit_strategies.base import Environment, RunsSchedule, Strategy, _local_norm, check_optimizer
-from trainkit_strategies.channels import Channel
+from trainkit_strategies.base import RunsSchedule, Strategy, _local_norm, check_optimizer
 from trainkit_strategies.comm import Comm, Handle
+from trainkit_strategies.environment import Environment
 from trainkit_strategies.memory import ActivationMeter, MemoryReport
+from trainkit_strategies.pipeline.channels import Channel
+from trainkit_strategies.pipeline.schedules import SCHEDULES, gpipe, partition, rank_and_chunk, virtual_stage
+from trainkit_strategies.pipeline.split_backward import WeightGradients, input_gradient
 from trainkit_strategies.precision import Precision
 from trainkit_strategies.registry import get_strategy
-from trainkit_strategies.schedules import SCHEDULES, gpipe, partition, rank_and_chunk, virtual_stage
-from trainkit_strategies.split_backward import WeightGradients, input_gradient
 
 DATA_PARALLEL = ("ddp", "zero1", "zero2", "fsdp")
 

@@ -37,13 +37,13 @@ from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
 from trainkit_strategies.base import ShardedInit, Strategy, check_optimizer
-from trainkit_strategies.deferred import InitRecorder, Replayer
 from trainkit_strategies.flat import BucketReducer, FlatBucket, OrderedLauncher
 from trainkit_strategies.master import DeferredGradScale, MasterShards
-from trainkit_strategies.materialise import materialise_meta
 from trainkit_strategies.memory import MemoryReport
 from trainkit_strategies.precision import DTYPE_NAMES, Precision
-from trainkit_strategies.units import ShardedBucket, Unit, assign_units
+from trainkit_strategies.sharding.deferred import InitRecorder, Replayer
+from trainkit_strategies.sharding.materialise import materialise_meta
+from trainkit_strategies.sharding.units import ShardedBucket, Unit, assign_units
 
 
 def _in_backward() -> bool:

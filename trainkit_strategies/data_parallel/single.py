@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from trainkit_strategies.base import Environment, Strategy
+from trainkit_strategies.base import Strategy
 from trainkit_strategies.comm import Comm
+from trainkit_strategies.environment import Environment
 
 
 class SingleStrategy(Strategy):

@@ -34,8 +34,8 @@ from torch.optim import Optimizer
 
 from trainkit_strategies.base import SelfReducing, Strategy
 from trainkit_strategies.comm import Handle
+from trainkit_strategies.data_parallel.powersgd import PowerSGD
 from trainkit_strategies.flat import OrderedLauncher, pack
-from trainkit_strategies.powersgd import PowerSGD
 from trainkit_strategies.precision import Precision
 
 
