@@ -20,7 +20,7 @@ import contextlib
 import math
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -167,9 +167,27 @@ class Strategy(ABC):
         assert self.module is not None
         return [p.grad for p in self.module.parameters() if p.grad is not None]
 
-    def grad_norm(self, norm_type: float = 2.0) -> Tensor:
-        """The global gradient norm: shards combined across ranks where the strategy shards."""
-        return _local_norm(self.gradients(), norm_type, self.device)
+    def keep_apart(self, params: Collection[Tensor]) -> None:
+        """Hold the gradients of ``params`` apart from the others' (called before ``setup``), so that a strategy
+        composing this one can name them: ``gradients_of(params)`` (to sum them across the ranks that share the
+        parameters: tensor-parallel replicas, stages tied by a shared weight) and ``grad_norm(exclude=params)`` (to
+        count them once). Strategies holding whole gradients hold each apart already."""
+
+    def gradients_of(self, params: Collection[Tensor]) -> list[Tensor]:
+        """The gradient tensors this rank holds for exactly ``params`` (whole, or the shards ``keep_apart`` set up)."""
+        return [p.grad for p in params if p.grad is not None]
+
+    def grad_norm(self, norm_type: float = 2.0, exclude: Collection[Tensor] = ()) -> Tensor:
+        """The global gradient norm: shards combined across ranks where the strategy shards. ``exclude``: parameters
+        (kept apart) whose gradients another rank counts."""
+        return _local_norm(self._counted(exclude), norm_type, self.device)
+
+    def _counted(self, exclude: Collection[Tensor]) -> list[Tensor]:
+        if not exclude:
+            return self.gradients()
+        assert self.module is not None
+        skip = {id(p) for p in exclude}
+        return [p.grad for p in self.module.parameters() if p.grad is not None and id(p) not in skip]
 
     def scale_grads(self, factor: float | Tensor) -> None:
         self._scale_local_grads(factor)
@@ -206,6 +224,11 @@ class Strategy(ABC):
     def zero_grad(self) -> None:
         assert self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
+
+    def trainable(self) -> list[Tensor]:
+        """The parameters this rank computes gradients for (a pipeline stage's, say)."""
+        assert self.module is not None
+        return [p for p in self.module.parameters() if p.requires_grad]
 
     def comms(self) -> list[Comm]:
         """Every communicator this strategy moves data through (their stats together are its traffic)."""

@@ -199,20 +199,23 @@ class Comm:
         return cls(env.world_size, env.rank, timeout_s=env.timeout_s, device=env.device)
 
     def subgroup(self, ranks: list[int], fresh: bool = False, control: bool = False) -> Comm:
-        """A Comm over ``ranks`` (global ranks). Every rank must call this with the same list, in order.
-        ``fresh``: a group of its own even when ``ranks`` is the whole world (point-to-point traffic on it then
-        never interleaves with another group's between the same ranks). ``control``: a gloo group on the host for
-        control-plane data (see ``control``)."""
+        """A Comm over ``ranks`` (global ranks). Every rank of the process group must call this with the same list,
+        in order (making a group is collective over the whole world), except for a group of one rank, which is made
+        by nobody: it is a communicator that does nothing. ``fresh``: a group of its own even when ``ranks`` is the
+        whole world (point-to-point traffic on it then never interleaves with another group's between the same
+        ranks). ``control``: a gloo group on the host for control-plane data (see ``control``)."""
         device = torch.device("cpu") if control else self.device
         alone = Comm(timeout_s=self.timeout_s, device=device)
-        if self.world_size == 1 or (len(ranks) == self.world_size and not (fresh or control)):
-            return Comm(self.world_size, self.rank, self.group, self.ranks, self.timeout_s, device) \
-                if len(ranks) > 1 else alone
+        me = self.ranks[self.rank]
+        if self.world_size == 1 or len(ranks) == 1:
+            return alone
+        if list(ranks) == self.ranks and not (fresh or control):
+            return Comm(self.world_size, self.rank, self.group, self.ranks, self.timeout_s, device)
         options = {"backend": "gloo"} if control and self.device.type != "cpu" else {}  # on the CPU: gloo already
         group = self._guard(dist.new_group, ranks, timeout=timedelta(seconds=self.timeout_s), **options)
-        if self.rank not in ranks:
+        if me not in ranks:
             return alone
-        return Comm(len(ranks), ranks.index(self.rank), group, list(ranks), self.timeout_s, device)
+        return Comm(len(ranks), ranks.index(me), group, list(ranks), self.timeout_s, device)
 
     def control(self) -> Comm:
         """A Comm over the same ranks for control-plane flags (preemption, checkpoint progress): a gloo group of

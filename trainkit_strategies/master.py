@@ -9,7 +9,7 @@ the user's optimizer at them, hands them their gradients, and describes them for
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 from torch import Tensor
@@ -39,8 +39,14 @@ class DeferredGradScale:
     def _scale_local_grads(self, factor: float | Tensor) -> None:
         self._grad_mult = self._grad_mult * factor
 
-    def grad_norm(self, norm_type: float = 2.0) -> Tensor:
-        return sharded_norm(self.gradients(), norm_type, self.comm, self.device) * self._grad_mult
+    def grad_norm(self, norm_type: float = 2.0, exclude: Collection[Tensor] = ()) -> Tensor:
+        return sharded_norm(self._counted(exclude), norm_type, self.comm, self.device) * self._grad_mult
+
+    def _counted(self, exclude: Collection[Tensor]) -> list[Tensor]:
+        if exclude:
+            raise ValueError(f"{self.name} holds every gradient in one partition, so it cannot leave some parameters "
+                             "out of the norm; use ddp or fsdp for this composition.")
+        return self.gradients()  # type: ignore[attr-defined]
 
     def clip_grad_value(self, value: float) -> None:
         self._apply_grad_mult()

@@ -57,6 +57,8 @@ def _cases(world: int) -> list[Case]:
             Case("2x2-ddp-clip", "pipeline", {"stages": 2, "microbatches": 4, "schedule": "gpipe"}, clip=0.05),
             Case("2x2-zero1-acc2", "pipeline", {"stages": 2, "microbatches": 4, "data_parallel": "zero1"},
                  accumulate=2),
+            Case("2x2-fsdp-gpt-tied-clip", "pipeline", {"stages": 2, "microbatches": 4, "data_parallel": "fsdp"},
+                 model="gpt", clip=0.05, accumulate=2),
         ]
     return cases
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -208,11 +208,11 @@ class DDPStrategy(Strategy):
             p.grad = None
             self._views_detached = True
 
-    def grad_norm(self, norm_type: float = 2.0) -> Tensor:
+    def grad_norm(self, norm_type: float = 2.0, exclude: Collection[Tensor] = ()) -> Tensor:
         """While gradients stay local (a SelfReducing optimizer's compressed phase): the root mean (p-th power
         mean) over ranks of each rank's gradient norm, the same on every rank, so fp16 overflow skips and
         clipping decide alike everywhere."""
-        norm = super().grad_norm(norm_type)
+        norm = super().grad_norm(norm_type, exclude)
         if not (self._local and self.comm.active):
             return norm
         if norm_type == float("inf"):

@@ -5,8 +5,8 @@ its forward) and ``pipeline_loss(output, batch)`` (the loss on the last stage's 
 items, optionally ``{"loss", "num_items"}``). Optional: ``pipeline_input(batch)`` (default: the batch's
 first element) and ``pipeline_validation_step(output, batch, batch_idx) -> {name: mean}`` for
 evaluation. The layers are split into contiguous stages balanced by parameter count (or ``split``);
-with ``world_size = stages * replicas`` rank ``r`` runs stage ``r % stages`` of replica ``r // stages``,
-and each stage's gradients are reduced across replicas by an inner data-parallel strategy (ddp, zero1,
+with ``world_size = stages * replicas`` rank ``r`` runs stage ``r // replicas`` of replica ``r % replicas``
+(``layout.py``: stages outermost), and each stage's gradients are reduced across replicas by an inner data-parallel strategy (ddp, zero1,
 zero2 or fsdp) working in that stage's subgroup. With ``virtual_stages = v`` the layers are cut into
 ``stages * v`` chunks and rank ``s`` holds chunks ``s, s + stages, s + 2 stages, ...`` (interleaved 1F1B).
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,17 +35,20 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
-from trainkit_strategies.base import RunsSchedule, Strategy, _local_norm, check_optimizer
+from trainkit_strategies.base import RunsSchedule, Strategy, check_optimizer
 from trainkit_strategies.comm import Comm, Handle
 from trainkit_strategies.environment import Environment
-from trainkit_strategies.memory import ActivationMeter, MemoryReport
+from trainkit_strategies.layout import AXES, Layout, Mesh
+from trainkit_strategies.memory import ActivationMeter
 from trainkit_strategies.pipeline.channels import Channel
 from trainkit_strategies.pipeline.schedules import SCHEDULES, gpipe, partition, rank_and_chunk, virtual_stage
 from trainkit_strategies.pipeline.split_backward import WeightGradients, input_gradient
 from trainkit_strategies.precision import Precision
 from trainkit_strategies.registry import get_strategy
+from trainkit_strategies.wrapper import Wrapper
 
 DATA_PARALLEL = ("ddp", "zero1", "zero2", "fsdp")
+STAGE_AXES = tuple(a for a in AXES if a != "pp")  # the ranks running one stage
 
 
 class _Stage(nn.Module):
@@ -107,7 +110,7 @@ def _missing_hooks(module: nn.Module) -> list[str]:
     return [name for name in ("pipeline_layers", "pipeline_loss") if not callable(getattr(module, name, None))]
 
 
-class PipelineStrategy(Strategy, RunsSchedule):
+class PipelineStrategy(Wrapper, RunsSchedule):
     """Split the model's layers into stages across ranks and pipeline micro-batches through them.
 
     Args:
@@ -162,7 +165,7 @@ class PipelineStrategy(Strategy, RunsSchedule):
 
     # -- topology ------------------------------------------------------------------------------------
     def setup_environment(self, env: Environment, comm: Comm | None = None) -> None:
-        super().setup_environment(env, comm)
+        Strategy.setup_environment(self, env, comm)
         stages = self.stages or env.world_size
         if env.world_size % stages:
             raise ValueError(f"pipeline: world_size={env.world_size} is not a multiple of stages={stages}; "
@@ -173,38 +176,50 @@ class PipelineStrategy(Strategy, RunsSchedule):
         if self.schedule == "interleaved_1f1b" and self.microbatches % stages:
             raise ValueError(f"pipeline schedule 'interleaved_1f1b' runs micro-batches in groups of stages={stages}: "
                              f"set microbatches to a multiple of {stages} (got {self.microbatches}).")
-        self.stages, self.replicas = stages, env.world_size // stages
-        self.stage, self.replica = env.rank % stages, env.rank // stages
-        dp = [self.comm.subgroup([d * stages + s for d in range(self.replicas)]) for s in range(stages)]
-        pipes = [self.comm.subgroup([d * stages + s for s in range(stages)]) for d in range(self.replicas)]
-        self.pipe = pipes[self.replica]
-        headers = [self.comm.subgroup([d * stages + s for s in range(stages)], control=True)
-                   for d in range(self.replicas)]
-        self.headers = headers[self.replica]  # the shapes crossing each boundary, on the host (gloo)
-        # one communicator per boundary between consecutive chunks k and k + 1 and per direction, per replica (every
+        self.stages = stages
+        self.layout = self._layout(env.world_size)
+        self.mesh = Mesh(self.layout, self.comm, self._mesh_axes())
+        self.stage = self.mesh.coords["pp"]
+        self.pipe = self.mesh.comm("pp")
+        on_stage = self.mesh.comm(STAGE_AXES)  # the ranks running this stage: they share its gradients
+        self.replicas, self.replica = on_stage.world_size, on_stage.rank
+        # one pipeline per coordinate of the other axes, its ranks in stage order; every rank makes every group
+        self._lines = [[self.comm.ranks[r] for r in line] for line in self.layout.groups(("pp",))]
+        self._line = next(i for i, line in enumerate(self._lines) if self.comm.ranks[self.comm.rank] in line)
+        headers = [self.comm.subgroup(line, control=True) for line in self._lines]
+        self.headers = headers[self._line]  # the shapes crossing each boundary, on the host (gloo)
+        # one communicator per boundary between consecutive chunks k and k + 1 and per direction, per pipeline (every
         # rank creating each): its two ends then issue their sends and receives in the same order (micro-batch
         # order through that boundary), which NCCL needs (it matches them by order), whatever the schedule does
         self.links: dict[tuple[int, str], Comm] = {}  # (k, "F" or "B") -> the pair's communicator, counted here
-        for d in range(self.replicas):
+        for i, line in enumerate(self._lines):
             for k in range(stages * v - 1):
-                pair = [d * stages + rank_and_chunk(k, stages)[0], d * stages + rank_and_chunk(k + 1, stages)[0]]
+                pair = [line[rank_and_chunk(k, stages)[0]], line[rank_and_chunk(k + 1, stages)[0]]]
                 for direction in ("F", "B"):
                     link = self.comm.subgroup(pair, fresh=True)
-                    if d == self.replica:
+                    if i == self._line:
                         self.links[(k, direction)] = link
-        inner_env = dataclasses.replace(env, rank=self.replica, local_rank=self.replica, world_size=self.replicas)
-        if self.replicas > 1:
-            options = {"prefetch": v == 1} if self.data_parallel == "fsdp" else {"bucket_mb": self.bucket_mb}
-            self.inner = get_strategy(self.data_parallel, **options)  # fsdp: chunks run in turn, no one unit order
-        self.inner.setup_environment(inner_env, comm=dp[self.stage])
+        self.inner = self._make_inner()
+        self.inner.setup_environment(
+            dataclasses.replace(env, rank=on_stage.rank, local_rank=on_stage.rank, world_size=on_stage.world_size),
+            comm=on_stage)
 
-    @property
-    def dp_rank(self) -> int:
-        return self.replica
+    def _layout(self, world_size: int) -> Layout:
+        """Stages x replicas, stages outermost: ddp replicates a stage, the ZeRO stages and fsdp shard it."""
+        replicas = world_size // self.stages
+        return Layout(pp=self.stages, dp_replicate=replicas) if self.data_parallel == "ddp" else \
+            Layout(pp=self.stages, dp_shard=replicas)
 
-    @property
-    def dp_size(self) -> int:
-        return self.replicas
+    def _mesh_axes(self) -> list[tuple[str, ...]]:
+        return [("pp",), STAGE_AXES]
+
+    def _make_inner(self) -> Strategy:
+        """The strategy a stage's ranks run its chunks with (``data_parallel`` among its replicas)."""
+        if self.replicas == 1:
+            return get_strategy("single")
+        options = {"prefetch": self.virtual_stages == 1} if self.data_parallel == "fsdp" else \
+            {"bucket_mb": self.bucket_mb}  # fsdp: chunks run in turn, no one unit order
+        return get_strategy(self.data_parallel, **options)
 
     @property
     def last(self) -> bool:
@@ -248,17 +263,24 @@ class PipelineStrategy(Strategy, RunsSchedule):
             holders = sorted(rank_of.get(q, ()))
             if len(holders) < 2:
                 continue
-            groups = [self.comm.subgroup([d * p + s for s in holders]) for d in range(self.replicas)]
+            groups = [self.comm.subgroup([line[s] for s in holders]) for line in self._lines]
             if self.stage in holders:
-                self._tied.append((q, groups[self.replica], self.stage == holders[0]))
-        if self._tied and self.replicas > 1 and self.data_parallel != "ddp":
+                self._tied.append((q, groups[self._line], self.stage == holders[0]))
+        if self._tied and self.replicas > 1 and self.data_parallel in ("zero1", "zero2"):
             raise ValueError(f"pipeline: parameters shared across stages (e.g. a tied embedding and LM head) need "
-                             f"data_parallel='ddp'; {self.data_parallel} shards their gradients before they can be "
-                             "summed.")
+                             f"data_parallel 'ddp' or 'fsdp'; {self.data_parallel} keeps their gradients in one "
+                             "partition with the others', so they cannot be summed across stages.")
         with torch.no_grad():
             for q in names:
                 if q not in rank_of or self.stage not in rank_of[q]:
                     q.data = torch.empty(0, dtype=q.dtype, device=q.device)  # another stage's: never run here
+            for q, group, _ in self._tied:  # start equal: the first stage holding it decides (through the device)
+                if group.active:
+                    on_device = q.data.to(self.device)
+                    group.broadcast(on_device, src=0)
+                    q.data.copy_(on_device)
+        for q, _, _ in self._tied:  # its gradient is summed across stages and counted in norms once
+            self.inner.keep_apart([q])
         ks = [virtual_stage(self.stage, c, p) for c in range(v)]
         self._stage = _Chunks([layers[bounds[k] : bounds[k + 1]] for k in ks])
         self._virtual = ks  # chunk c is virtual stage ks[c]
@@ -270,8 +292,6 @@ class PipelineStrategy(Strategy, RunsSchedule):
             for group in optimizer.param_groups:
                 group["params"] = [q for q in group["params"] if q in kept]
         self.inner.setup(self._stage, optimizer, precision)
-        for q, group, _ in self._tied:  # start equal, on the device: the first stage holding it decides
-            group.broadcast(q.data, src=0)
         self._place(module)  # what no stage holds: metric states, say
         self._actions = {}
         self._params = [[q for q in chunk.parameters() if q.requires_grad] for chunk in self._stage.chunks]
@@ -488,21 +508,15 @@ class PipelineStrategy(Strategy, RunsSchedule):
 
     # -- gradients and step --------------------------------------------------------------------------
     def reduce_gradients(self, scale: float | Tensor) -> None:
-        for p, comm, _ in self._tied:  # a shared parameter's gradient is the sum over its stages' uses
-            if p.grad is not None:
-                comm.all_reduce(p.grad)
         self.inner.reduce_gradients(scale)
+        for p, comm, _ in self._tied:  # a shared parameter's gradient is the sum over its stages' uses
+            for grad in self.inner.gradients_of([p]):
+                comm.all_reduce(grad)
 
-    def gradients(self) -> list[Tensor]:
-        return self.inner.gradients()
-
-    def grad_norm(self, norm_type: float = 2.0) -> Tensor:
-        if self.replicas > 1 and self.data_parallel != "ddp":  # sharded gradients
-            local = self.inner.grad_norm(norm_type)
-        else:  # whole gradients, replicated across replicas; a shared parameter counts once
-            skip = {id(p) for p, _, counted in self._tied if not counted}
-            grads = [p.grad for p in self._stage.parameters() if p.grad is not None and id(p) not in skip]
-            local = _local_norm(grads, norm_type, self.device)
+    def grad_norm(self, norm_type: float = 2.0, exclude: Collection[Tensor] = ()) -> Tensor:
+        """The stage's norm (a shared parameter counted on its first stage only), combined across stages."""
+        skip = [p for p, _, counted in self._tied if not counted]
+        local = self.inner.grad_norm(norm_type, [*exclude, *skip])
         if norm_type == float("inf"):
             self.pipe.all_reduce(local, "max")
             return local
@@ -510,22 +524,8 @@ class PipelineStrategy(Strategy, RunsSchedule):
         self.pipe.all_reduce(powered)
         return powered.pow(1.0 / norm_type)
 
-    def scale_grads(self, factor: float | Tensor) -> None:
-        self.inner.scale_grads(factor)
-
-    def clip_grad_value(self, value: float) -> None:
-        self.inner.clip_grad_value(value)
-
-    def optimizer_step(self) -> None:
-        self.inner.optimizer_step()
-
-    def zero_grad(self) -> None:
-        self.inner.zero_grad()
-
-    def comms(self) -> list[Comm]:
-        unique = {id(c): c for c in [self.comm, self.pipe, self.headers, *self.links.values(), *self.inner.comms(),
-                                     *(c for _, c, _ in self._tied)]}
-        return list(unique.values())
+    def own_comms(self) -> list[Comm]:
+        return [self.pipe, self.headers, *self.links.values(), *(c for _, c, _ in self._tied)]
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # the schedule applies the precision policy around each stage forward
@@ -542,9 +542,6 @@ class PipelineStrategy(Strategy, RunsSchedule):
             group_names=self._group_names,
         )
 
-    def _after_load(self) -> None:
-        self.inner._after_load()
-
     def _gathered(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         """Whole-model tensors on every rank from each stage's (collective over the world)."""
         mine = {self._to_global[n]: t.detach().cpu() for n, t in tensors.items()} if self.inner.is_global_zero else {}
@@ -559,8 +556,3 @@ class PipelineStrategy(Strategy, RunsSchedule):
     def full_gradients(self) -> dict[str, Tensor]:
         return self._gathered(self.inner.full_gradients())
 
-    def memory_report(self) -> MemoryReport:
-        return self.inner.memory_report()
-
-    def teardown(self) -> None:
-        self.inner.teardown()

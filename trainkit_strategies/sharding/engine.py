@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from functools import partial
 
 import torch
@@ -90,6 +90,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         self._recorded = {"forward": False, "backward": False}
         self._replaced: dict[Tensor, Tensor] = {}  # meta parameter -> the parameter that replaced it
         self._replayer: Replayer | None = None  # what configure_model computed on the meta device
+        self._apart: list[set[int]] = []  # ids of parameters whose gradients keep_apart gave buckets of their own
 
     # -- policy --------------------------------------------------------------------------------------
     def unit_modules(self, module: nn.Module) -> list[list[nn.Module]]:
@@ -132,12 +133,17 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
                     mod._buffers[key] = buf.to(self.device)
         self.units, params_of = assign_units(module, names, self.unit_modules(module), self.is_persistent)
         layouts: dict[int, list[FlatBucket]] = {}
+
+        def key(p: Tensor) -> tuple[int, int]:  # a bucket per param group, and per set kept apart
+            apart = next((i for i, ids in enumerate(self._apart) if id(p) in ids), -1)
+            return group_of.get(names[p], groups - 1), apart
+
         for unit in self.units:
             params = params_of[unit.index]
-            for g in sorted({group_of.get(names[p], groups - 1) for p in params}):
-                members = [p for p in params if group_of.get(names[p], groups - 1) == g]
+            for k in sorted({key(p) for p in params}):
+                members = [p for p in params if key(p) == k]
                 layouts.setdefault(unit.index, []).append(
-                    FlatBucket.build(members, [names[p] for p in members], self.world_size, g))
+                    FlatBucket.build(members, [names[p] for p in members], self.world_size, k[0]))
         # launch order for reduce-scatters: roughly backward order (last units first), root and persistent last
         ordered = [b for u in reversed(self.units) if not (u.root or u.persistent) for b in layouts[u.index]]
         ordered += [b for u in self.units if u.root or u.persistent for b in layouts[u.index]]
@@ -297,6 +303,8 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         self._end_queued = False
         for unit in self.units:
             unit.pending_grads = sum(p.requires_grad for b in unit.buckets for p in b.layout.params)
+            if unit.root:  # a pipeline runs forwards between backwards: the last backward's end freed it
+                self._gather(unit)
         self._position["backward"] = 0
         with warnings.catch_warnings():  # the first unit's inputs never require grad; its pre-hook still fires
             warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
@@ -348,6 +356,31 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
 
     def gradients(self) -> list[Tensor]:
         return list(self._grad_buffer)
+
+    def keep_apart(self, params: Collection[Tensor]) -> None:
+        self._apart.append({id(p) for p in params})
+
+    def _buckets_within(self, ids: set[int]) -> list[ShardedBucket]:
+        """The buckets holding only parameters in ``ids`` (a bucket holding some of them and others is an error: they
+        were not kept apart)."""
+        out = []
+        for b in self.buckets:
+            inside = [id(p) in ids for p in b.layout.params]
+            if all(inside):
+                out.append(b)
+            elif any(inside):
+                raise ValueError(f"{self.name}: bucket {b.index} mixes parameters that were to be kept apart with "
+                                 "others; call keep_apart before setup.")
+        return out
+
+    def gradients_of(self, params: Collection[Tensor]) -> list[Tensor]:
+        return [self._grad_of(b.layout) for b in self._buckets_within({id(p) for p in params})]
+
+    def _counted(self, exclude: Collection[Tensor]) -> list[Tensor]:
+        if not exclude:
+            return self.gradients()
+        skip = {b.index for b in self._buckets_within({id(p) for p in exclude})}
+        return [self._grad_of(b.layout) for b in self.buckets if b.index not in skip]
 
     def _grad_of(self, layout: FlatBucket) -> Tensor:
         """The bucket's gradient shard; the flat buffer behind all of them is allocated on first use (not

@@ -1,0 +1,115 @@
+"""One way to compose strategies: a ``Wrapper`` runs an inner strategy on what it hands it.
+
+A pipeline hands each stage's layers to a data-parallel strategy among the stage's replicas; tensor parallelism
+hands the tensor-parallel model to a data-parallel or sharding strategy among the ranks holding the same slices.
+The wrapper changes what its own axis changes (cutting the model, the point-to-point traffic, norms combined
+across stages or slices, names in checkpoints) and every other part of the contract is the inner strategy's, here,
+once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Collection
+from typing import Any
+
+from torch import Tensor
+
+from trainkit_strategies import state as st
+from trainkit_strategies.base import Strategy
+from trainkit_strategies.comm import Comm
+from trainkit_strategies.memory import MemoryReport
+
+
+class Wrapper(Strategy):
+    """A strategy whose work is done by ``self.inner`` (made in ``setup_environment``) except where it overrides."""
+
+    inner: Strategy
+
+    @property
+    def dp_rank(self) -> int:
+        return self.inner.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.inner.dp_size
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return self.inner.forward_context()
+
+    def backward(self, loss: Tensor, gradient: Tensor | None = None) -> None:
+        self.inner.backward(loss, gradient)
+
+    def backward_pass(self) -> contextlib.AbstractContextManager:
+        return self.inner.backward_pass()
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return self.inner.no_sync()
+
+    def reduce_gradients(self, scale: float | Tensor) -> None:
+        self.inner.reduce_gradients(scale)
+
+    def gradients(self) -> list[Tensor]:
+        return self.inner.gradients()
+
+    def keep_apart(self, params: Collection[Tensor]) -> None:
+        self.inner.keep_apart(params)
+
+    def gradients_of(self, params: Collection[Tensor]) -> list[Tensor]:
+        return self.inner.gradients_of(params)
+
+    def grad_norm(self, norm_type: float = 2.0, exclude: Collection[Tensor] = ()) -> Tensor:
+        return self.inner.grad_norm(norm_type, exclude)
+
+    def scale_grads(self, factor: float | Tensor) -> None:
+        self.inner.scale_grads(factor)
+
+    def clip_grad_value(self, value: float) -> None:
+        self.inner.clip_grad_value(value)
+
+    def full_parameters(self) -> dict[str, Tensor]:
+        return self.inner.full_parameters()
+
+    def full_gradients(self) -> dict[str, Tensor]:
+        return self.inner.full_gradients()
+
+    def optimizer_step(self) -> None:
+        self.inner.optimizer_step()
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+    def settle(self) -> None:
+        self.inner.settle()
+
+    def sync_buffers(self) -> None:
+        self.inner.sync_buffers()
+
+    def own_comms(self) -> list[Comm]:
+        """The communicators this wrapper moves data through itself (beside ``self.comm``)."""
+        return []
+
+    def comms(self) -> list[Comm]:
+        unique = {id(c): c for c in [self.comm, *self.own_comms(), *self.inner.comms()]}
+        return list(unique.values())
+
+    def state_layout(self) -> st.StateLayout:
+        return self.inner.state_layout()
+
+    def local_state(self) -> dict[str, Tensor]:
+        return self.inner.local_state()
+
+    def load_local_state(self, state: dict[str, Tensor]) -> None:
+        self.inner.load_local_state(state)
+
+    def _after_load(self) -> None:
+        self.inner._after_load()
+
+    def memory_report(self) -> MemoryReport:
+        return self.inner.memory_report()
+
+    def teardown(self) -> None:
+        self.inner.teardown()
+
+    def trainable(self) -> list[Any]:
+        return self.inner.trainable()
