@@ -5,9 +5,10 @@ its forward) and ``pipeline_loss(output, batch)`` (the loss on the last stage's 
 items, optionally ``{"loss", "num_items"}``). Optional: ``pipeline_input(batch)`` (default: the batch's
 first element) and ``pipeline_validation_step(output, batch, batch_idx) -> {name: mean}`` for
 evaluation. The layers are split into contiguous stages balanced by parameter count (or ``split``);
-with ``world_size = stages * replicas`` rank ``r`` runs stage ``r // replicas`` of replica ``r % replicas``
-(``layout.py``: stages outermost), and each stage's gradients are reduced across replicas by an inner data-parallel strategy (ddp, zero1,
-zero2 or fsdp) working in that stage's subgroup. With ``virtual_stages = v`` the layers are cut into
+with ``world_size = stages * replicas`` rank ``r`` runs stage ``r // replicas`` of replica
+``r % replicas`` (``layout.py``: stages outermost), and each stage's gradients are reduced across
+replicas by an inner data-parallel strategy (ddp, zero1, zero2 or fsdp) working in that stage's
+subgroup. With ``virtual_stages = v`` the layers are cut into
 ``stages * v`` chunks and rank ``s`` holds chunks ``s, s + stages, s + 2 stages, ...`` (interleaved 1F1B).
 
 One batch is cut into ``microbatches`` pieces and run by a schedule from ``schedules.py`` (1F1B by
