@@ -11,6 +11,7 @@ during the write loses only the checkpoint being written. At most one save is in
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -47,7 +48,7 @@ class HostSnapshot:
             host = self._buffers[p.dtype][start : start + p.data.numel()].view(p.data.shape)
             host.copy_(p.data.detach(), non_blocking=cuda)
             offsets[p.dtype] = start + p.data.numel()
-            out.append(Piece(p.key, p.shape, p.dtype, p.start, p.stop, host))
+            out.append(dataclasses.replace(p, data=host))
         if cuda:
             torch.cuda.synchronize()  # the copies are complete before training changes the device tensors
         return out

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import errno
 import hashlib
 import json
@@ -37,7 +38,7 @@ import torch
 from torch import Tensor
 
 from trainkit_strategies import Strategy
-from trainkit_strategies.state import Piece
+from trainkit_strategies.state import Piece, Strided, overlaps
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
@@ -45,7 +46,7 @@ SAFETENSORS_DTYPES = {
 }
 _FROM_SAFETENSORS = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 FORMAT = "trainkit-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: tensor-parallel pieces (``strided``)
 LATEST = "latest"
 META = "meta.json"
 
@@ -175,13 +176,20 @@ def write_safetensors(path: Path, tensors: dict[str, Tensor]) -> str:
     return digest.hexdigest()
 
 
+def _stored_name(key: str, start: int, strided: Strided | None) -> str:
+    """A piece's name in its rank's file: the key and where the piece starts (in the part, for a strided one)."""
+    return f"{key}@{start}" if strided is None else f"{key}@{strided.origin}+{start}"
+
+
 def write_rank_file(tmp: Path, rank: int, pieces: list[Piece]) -> Written:
     """Write this rank's pieces (host tensors) into ``tmp`` and make them durable; no communication."""
     filename = f"rank{rank:05d}.safetensors"
-    written = Written(table=[(p.key, list(p.shape), _dtype_name(p.dtype), p.start, p.stop, filename) for p in pieces])
+    written = Written(table=[(p.key, list(p.shape), _dtype_name(p.dtype), p.start, p.stop, filename,
+                              None if p.strided is None else [p.strided.origin, p.strided.block, p.strided.stride])
+                             for p in pieces])
     if pieces:
         path = tmp / filename
-        sha = write_safetensors(path, {f"{p.key}@{p.start}": p.data for p in pieces})
+        sha = write_safetensors(path, {_stored_name(p.key, p.start, p.strided): p.data for p in pieces})
         written.files[filename] = {"sha256": sha, "bytes": path.stat().st_size}
     return written
 
@@ -202,11 +210,12 @@ def commit(staged: Staged, strategy: Strategy, written: Written) -> Path:
         all_files: dict[str, Any] = {}
         for rank_files, rank_table, _, _ in gathered:
             all_files.update(rank_files)
-            for key, shape, dtype, start, stop, file in rank_table:
+            for key, shape, dtype, start, stop, file, strided in rank_table:
                 entry = tensors_meta.setdefault(key, {"shape": shape, "dtype": dtype, "pieces": []})
-                entry["pieces"].append({"file": file, "start": start, "stop": stop})
+                entry["pieces"].append({"file": file, "start": start, "stop": stop} |
+                                       ({"strided": strided} if strided is not None else {}))
         for entry in tensors_meta.values():
-            entry["pieces"].sort(key=lambda p: p["start"])
+            entry["pieces"].sort(key=lambda p: (p.get("strided", [0])[0], p["start"]))
         full = {
             "format": FORMAT,
             "version": VERSION,
@@ -253,7 +262,7 @@ def save(
 ) -> Path:
     """Collectively write checkpoint ``dirpath/name``; every rank must call this."""
     staged = begin(dirpath, name, strategy, meta, rank_state, update_latest)
-    host = [Piece(p.key, p.shape, p.dtype, p.start, p.stop, p.data.detach().contiguous().cpu()) for p in pieces]
+    host = [dataclasses.replace(p, data=p.data.detach().contiguous().cpu()) for p in pieces]
     return commit(staged, strategy, write_rank_file(staged.tmp, strategy.rank, host))
 
 
@@ -336,11 +345,18 @@ class CheckpointReader:
         return tuple(entry["shape"]), getattr(torch, entry["dtype"])
 
     def pieces(self, key: str) -> list[tuple[str, int, int]]:
-        """The stored ranges of ``key``, in order: ``(key, start, stop)`` each, as ``read`` takes them."""
+        """Ranges that cover ``key`` in order, ``(key, start, stop)`` each, as ``read`` takes them: the stored pieces,
+        or, where tensor-parallel parts were stored, runs of whole rows about as large as the largest part."""
         entry = self._tensors.get(key)
         if entry is None:
             raise CheckpointError(f"{self.path} has no tensor {key!r}.")
-        return [(key, piece["start"], piece["stop"]) for piece in entry["pieces"]]
+        if not any("strided" in piece for piece in entry["pieces"]):
+            return [(key, piece["start"], piece["stop"]) for piece in entry["pieces"]]
+        numel = max(1, math.prod(entry["shape"]))
+        row = entry["pieces"][0]["strided"][2]
+        largest = max(piece["stop"] - piece["start"] for piece in entry["pieces"])
+        step = max(row, largest // row * row)
+        return [(key, lo, min(lo + step, numel)) for lo in range(0, numel, step)]
 
     def _open(self, file: str) -> tuple[int, int, dict[str, Any]]:
         opened = self._files.get(file)
@@ -383,10 +399,14 @@ class CheckpointReader:
         if _sha256(path) != expected["sha256"]:
             raise CheckpointError(f"Checkpoint file {path} is corrupt: sha256 mismatch. {hint}")
 
-    def read(self, key: str, start: int, stop: int) -> Tensor:
+    def read(self, key: str, start: int, stop: int, strided: Strided | None = None) -> Tensor:
+        """Elements ``[start, stop)`` of the flattened tensor ``key``, or of its tensor-parallel part ``strided``,
+        from whichever pieces hold them."""
         entry = self._tensors.get(key)
         if entry is None:
             raise CheckpointError(f"{self.path} has no tensor {key!r}.")
+        if strided is not None or any("strided" in piece for piece in entry["pieces"]):
+            return self._read_strided(key, entry, start, stop, strided)
         parts, cursor = [], start
         for piece in entry["pieces"]:
             lo, hi = max(cursor, piece["start"]), min(stop, piece["stop"])
@@ -404,6 +424,26 @@ class CheckpointReader:
                 f"{self.path} does not hold elements [{cursor}, {stop}) of {key!r}: a rank's file is missing."
             )
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _read_strided(self, key: str, entry: dict[str, Any], start: int, stop: int, strided: Strided | None) -> Tensor:
+        """``read`` where either side is a tensor-parallel part: every overlap of the range with a piece is one
+        strided block, read with one ``pread`` and copied with one strided copy."""
+        out = torch.empty(stop - start, dtype=getattr(torch, entry["dtype"]))
+        copied = 0
+        for piece in entry["pieces"]:
+            held = Strided(*piece["strided"]) if "strided" in piece else None
+            name = _stored_name(key, piece["start"], held)
+            for rows, cols, index, pitch, other, other_pitch in overlaps(start, stop, strided, piece["start"],
+                                                                         piece["stop"], held):
+                lo = other - piece["start"]
+                data = self._read_piece(piece["file"], name, lo, lo + (rows - 1) * other_pitch + cols)
+                out.as_strided((rows, cols), (pitch, 1), index - start).copy_(
+                    data.as_strided((rows, cols), (other_pitch, 1)))
+                copied += rows * cols
+        if copied != stop - start:
+            raise CheckpointError(f"{self.path} holds {copied} of the {stop - start} elements of {key!r} asked for: a "
+                                  "rank's file is missing.")
+        return out
 
     def full(self, key: str) -> Tensor:
         shape, _ = self.info(key) or ((), None)

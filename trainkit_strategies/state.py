@@ -13,7 +13,7 @@ Keys: ``model/<name>`` for parameters (the fp32 master where one exists) and per
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,13 +26,30 @@ _EXECUTION_KEYS = frozenset({"params", "foreach", "fused", "capturable", "differ
 
 
 @dataclass(frozen=True)
+class Strided:
+    """A tensor-parallel part of a global tensor, flattened: its element ``u`` is element
+    ``(u // block) * stride + origin + u % block`` of the flattened whole. A row-parallel weight ``[out, in]`` split
+    over ``t`` ranks is, on rank ``r``, ``Strided(r * in/t, in/t, in)``: ``out`` blocks of ``in/t`` elements, one per
+    row; a column-parallel weight's part is one block (contiguous)."""
+
+    origin: int
+    block: int
+    stride: int
+
+    def index(self, u: int) -> int:
+        return (u // self.block) * self.stride + self.origin + u % self.block
+
+
+@dataclass(frozen=True)
 class Segment:
-    """Elements ``[start, stop)`` of the flattened global tensor ``name``, held at ``offset`` locally."""
+    """Elements ``[start, stop)`` of the flattened global tensor ``name`` (of its part ``strided``, where it is
+    tensor-parallel), held at ``offset`` locally."""
 
     name: str
     start: int
     stop: int
     offset: int = 0
+    strided: Strided | None = None
 
 
 @dataclass
@@ -46,7 +63,8 @@ class Holder:
 
 @dataclass(frozen=True)
 class Piece:
-    """One contiguous range of a global tensor, as written to a checkpoint file."""
+    """One range of a global tensor, as written to a checkpoint file: elements ``[start, stop)`` of the flattened
+    tensor, or of its tensor-parallel part ``strided``."""
 
     key: str
     shape: tuple[int, ...]
@@ -54,6 +72,7 @@ class Piece:
     start: int
     stop: int
     data: Tensor
+    strided: Strided | None = None
 
 
 class Reader(Protocol):
@@ -61,7 +80,7 @@ class Reader(Protocol):
 
     def info(self, key: str) -> tuple[tuple[int, ...], torch.dtype] | None: ...
 
-    def read(self, key: str, start: int, stop: int) -> Tensor: ...
+    def read(self, key: str, start: int, stop: int, strided: Strided | None = None) -> Tensor: ...
 
     def keys(self) -> Iterable[str]: ...
 
@@ -79,7 +98,7 @@ class StateLayout:
 
 def rename_holder(holder: Holder, rename: Callable[[str], str]) -> Holder:
     """The same holder with its segments' tensor names mapped (a pipeline stage's names to the model's)."""
-    segments = tuple(Segment(rename(s.name), s.start, s.stop, s.offset) for s in holder.segments)
+    segments = tuple(Segment(rename(s.name), s.start, s.stop, s.offset, s.strided) for s in holder.segments)
     return Holder(holder.tensor, segments, holder.write)
 
 
@@ -148,7 +167,7 @@ def collect_pieces(layout: StateLayout) -> list[Piece]:
                 pieces.extend(_pieces_of("optim/", holder, value, layout.shapes, f"/{state_key}"))
             elif value.dim() == 0:
                 for seg in holder.segments:
-                    if seg.start == 0:
+                    if seg.start == 0 and (seg.strided is None or seg.strided.origin == 0):
                         key = f"optim/{seg.name}/{state_key}"
                         pieces.append(Piece(key, (), value.dtype, 0, 1, value.detach().reshape(1).clone()))
             elif len(holder.segments) == 1 and holder.segments[0].start == 0:
@@ -168,7 +187,7 @@ def _pieces_of(prefix: str, holder: Holder, tensor: Tensor, shapes: dict, suffix
     flat = tensor.detach().reshape(-1)
     return [
         Piece(f"{prefix}{s.name}{suffix}", shapes[s.name], tensor.dtype, s.start, s.stop,
-              flat[s.offset : s.offset + s.stop - s.start])
+              flat[s.offset : s.offset + s.stop - s.start], s.strided)
         for s in holder.segments
     ]
 
@@ -176,7 +195,7 @@ def _pieces_of(prefix: str, holder: Holder, tensor: Tensor, shapes: dict, suffix
 def _fill(holder: Holder, target: Tensor, key_of, reader: Reader) -> None:
     flat = target.view(-1)
     for seg in holder.segments:
-        chunk = reader.read(key_of(seg.name), seg.start, seg.stop)
+        chunk = reader.read(key_of(seg.name), seg.start, seg.stop, seg.strided)
         flat[seg.offset : seg.offset + seg.stop - seg.start].copy_(chunk)
 
 
@@ -264,3 +283,64 @@ def _like(value: object, current: object) -> object:
     if isinstance(current, Tensor):
         return torch.as_tensor(value, dtype=current.dtype, device=current.device)
     return value
+
+
+# -- ranges of strided parts ------------------------------------------------------------------------------------
+# A range of a part (or of the whole) is, on the whole seen as rows of ``width`` elements, at most three rectangles:
+# a partial first row, full rows, a partial last row. Two ranges intersect rectangle by rectangle, and each
+# intersection is one strided copy (``as_strided``): no per-element index is ever built.
+
+
+@dataclass(frozen=True)
+class Rect:
+    """Rows ``[row0, row1)`` x columns ``[col0, col1)`` of the whole as rows of some width; the range's element at
+    ``(row0, col0)`` is its element ``base``, and the next row's is ``pitch`` further."""
+
+    row0: int
+    row1: int
+    col0: int
+    col1: int
+    base: int
+    pitch: int
+
+    def at(self, row: int, col: int) -> int:
+        return self.base + (row - self.row0) * self.pitch + (col - self.col0)
+
+
+def rectangles(start: int, stop: int, strided: Strided | None, width: int) -> list[Rect]:
+    """Elements ``[start, stop)`` of a part (``strided``, whose stride must be ``width``) or of the whole (None) as
+    rectangles of the whole seen as rows of ``width`` elements."""
+    if start >= stop:
+        return []
+    block, origin = (strided.block, strided.origin) if strided is not None else (width, 0)
+    first, last = start // block, (stop - 1) // block
+    head, tail = start % block, (stop - 1) % block + 1
+    if first == last:
+        return [Rect(first, first + 1, origin + head, origin + tail, start, block)]
+    out = [Rect(first, first + 1, origin + head, origin + block, start, block)]
+    if last > first + 1:
+        out.append(Rect(first + 1, last, origin, origin + block, (first + 1) * block, block))
+    out.append(Rect(last, last + 1, origin, origin + tail, last * block, block))
+    return out
+
+
+def overlaps(start: int, stop: int, strided: Strided | None, other_start: int, other_stop: int,
+             other: Strided | None) -> Iterator[tuple[int, int, int, int, int, int]]:
+    """Where two ranges (each of a part or of the whole) hold the same elements of a tensor, as strided blocks:
+    ``(rows, cols, index, pitch, other_index, other_pitch)``, ``index + i * pitch + j`` in the first range and
+    ``other_index + i * other_pitch + j`` in the second being the same element for ``i < rows``, ``j < cols``."""
+    if strided is not None and other is not None and strided.stride != other.stride:
+        for rect in rectangles(start, stop, strided, strided.stride):  # each row of the first is contiguous
+            for row in range(rect.row0, rect.row1):
+                lo = row * strided.stride + rect.col0
+                for rows, cols, i, pitch, j, other_pitch in overlaps(lo, lo + rect.col1 - rect.col0, None,
+                                                                      other_start, other_stop, other):
+                    yield rows, cols, rect.at(row, rect.col0) + i - lo, pitch, j, other_pitch
+        return
+    known = strided or other
+    width = known.stride if known is not None else max(stop, other_stop)
+    for a in rectangles(start, stop, strided, width):
+        for b in rectangles(other_start, other_stop, other, width):
+            r0, r1, c0, c1 = max(a.row0, b.row0), min(a.row1, b.row1), max(a.col0, b.col0), min(a.col1, b.col1)
+            if r0 < r1 and c0 < c1:
+                yield r1 - r0, c1 - c0, a.at(r0, c0), a.pitch, b.at(r0, c0), b.pitch

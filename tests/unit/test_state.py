@@ -23,12 +23,19 @@ class DictReader:
     def keys(self):
         return {p.key for p in self.pieces}
 
-    def read(self, key, start, stop):
+    def read(self, key, start, stop, strided=None):
+        """Element by element, through each side's flat index of the whole (independent of ``state.overlaps``)."""
+        def index(s, u):
+            return s.index(u) if s is not None else u
+
         out = torch.empty(stop - start, dtype=self.info(key)[1])
+        wanted = {index(strided, u): u - start for u in range(start, stop)}
         for p in self.pieces:
-            lo, hi = max(start, p.start), min(stop, p.stop)
-            if p.key == key and lo < hi:
-                out[lo - start : hi - start] = p.data[lo - p.start : hi - p.start]
+            if p.key == key:
+                for u in range(p.start, p.stop):
+                    at = wanted.get(index(p.strided, u))
+                    if at is not None:
+                        out[at] = p.data[u - p.start]
         return out
 
 
