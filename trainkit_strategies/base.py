@@ -89,6 +89,12 @@ class Strategy(ABC):
     def dp_size(self) -> int:
         return self.world_size
 
+    @property
+    def counts_items(self) -> bool:
+        """Whether this rank's samples count towards the global total (tensor-parallel ranks see the same samples
+        as another rank of their group, which alone counts them)."""
+        return True
+
     # -- model and optimizer -----------------------------------------------------------------------
     def setup(self, module: nn.Module, optimizer: Optimizer | None, precision: Precision) -> None:
         """Place (and shard) ``module``; re-target ``optimizer`` in place onto what this rank owns.

@@ -15,6 +15,7 @@ class Environment:
     Attributes:
         device: the device this rank computes on.
         rank: global rank. local_rank: rank on this node. world_size: number of ranks.
+        local_world_size: ranks on this node (0: unknown; a layout then assumes one node).
         master_addr, master_port: rendezvous address of rank 0 (unused when ``world_size == 1``).
         timeout_s: how long a collective may wait for a peer before it fails.
         peer_timeout_s: how long a peer may stop answering the heartbeat (``liveness.py``) before the run fails, so
@@ -31,6 +32,7 @@ class Environment:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    local_world_size: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     timeout_s: float = 1800.0
@@ -87,6 +89,7 @@ class Environment:
             rank=int(os.environ.get("RANK", 0)),
             local_rank=local_rank,
             world_size=int(os.environ.get("WORLD_SIZE", 1)),
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 0)),
             master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(os.environ.get("MASTER_PORT", 29500)),
             timeout_s=timeout_s,

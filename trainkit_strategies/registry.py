@@ -17,6 +17,7 @@ _BUILTIN = {
     "zero3": "trainkit_strategies.sharding.zero3:Zero3Strategy",
     "fsdp": "trainkit_strategies.sharding.fsdp:FSDPStrategy",
     "pipeline": "trainkit_strategies.pipeline.executor:PipelineStrategy",
+    "parallel": "trainkit_strategies.parallel:ParallelStrategy",
 }
 
 

@@ -34,6 +34,10 @@ class Wrapper(Strategy):
     def dp_size(self) -> int:
         return self.inner.dp_size
 
+    @property
+    def counts_items(self) -> bool:
+        return self.inner.counts_items
+
     def forward_context(self) -> contextlib.AbstractContextManager:
         return self.inner.forward_context()
 

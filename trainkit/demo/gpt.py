@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from trainkit.module import TrainModule
 from trainkit.optim import OneBitAdam
+from trainkit.parallel import Colwise
 
 
 @dataclass(frozen=True)
@@ -37,17 +38,17 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         if cfg.n_embd % cfg.n_head:
             raise ValueError(f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head}).")
-        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.n_head, self.head_dim, self.dropout = cfg.n_head, cfg.n_embd // cfg.n_head, cfg.dropout
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        qkv = self.qkv(x)  # shapes from here: under tensor parallelism a rank holds n_head / tp heads of the sequence
+        b, t, _ = qkv.shape
+        q, k, v = (z.view(b, t, self.n_head, self.head_dim).transpose(1, 2) for z in qkv.chunk(3, dim=2))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
 
 
 class MLP(nn.Module):
@@ -200,6 +201,19 @@ class DemoGPT(TrainModule):
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self._eval_step(batch, "test")
+
+    # parallel strategy: Megatron-style tensor parallelism (sequence-parallel where the strategy says so)
+    def tensor_parallel_plan(self) -> dict[str, str | Colwise]:
+        return {
+            "model.wte": "embedding",  # the vocabulary split; the head tied to it is split the same way
+            "model.wpe": "sequence",  # positions: under sequence parallelism each rank adds its slice
+            "model.blocks.*.attn": "heads",
+            "model.blocks.*.attn.qkv": Colwise(parts=3),  # q, k and v, each split by heads
+            "model.blocks.*.attn.proj": "rowwise",
+            "model.blocks.*.mlp.fc": "colwise",
+            "model.blocks.*.mlp.proj": "rowwise",
+            "model.lm_head": "lm_head",
+        }
 
     # pipeline strategy: embeddings, the blocks, and the head as layers; the same losses as above
     def pipeline_layers(self) -> list[nn.Module]:

@@ -466,7 +466,7 @@ class PipelineStrategy(Wrapper, RunsSchedule):
         self.pipe.broadcast(mean, src=self.stages - 1)
         now = time.perf_counter()
         self.idle = {"wait_s": waited + now - before, "schedule_s": now - started}
-        return mean[0], items
+        return mean[0], items if self.inner.counts_items else 0.0  # tensor-parallel ranks count their samples once
 
     def evaluates(self, module: nn.Module, has_validation_step: bool) -> bool:
         """``pipeline_validation_step`` alone asks for validation; ``validation_step`` evaluates by

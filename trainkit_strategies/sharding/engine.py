@@ -37,6 +37,7 @@ from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
 from trainkit_strategies.base import ShardedInit, Strategy, check_optimizer
+from trainkit_strategies.comm import Comm
 from trainkit_strategies.flat import BucketReducer, FlatBucket, OrderedLauncher
 from trainkit_strategies.master import DeferredGradScale, MasterShards
 from trainkit_strategies.memory import MemoryReport
@@ -91,6 +92,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         self._replaced: dict[Tensor, Tensor] = {}  # meta parameter -> the parameter that replaced it
         self._replayer: Replayer | None = None  # what configure_model computed on the meta device
         self._apart: list[set[int]] = []  # ids of parameters whose gradients keep_apart gave buckets of their own
+        self.replicate: Comm | None = None  # HSDP: replicas of the shards, their gradients all-reduced once per step
 
     # -- policy --------------------------------------------------------------------------------------
     def unit_modules(self, module: nn.Module) -> list[list[nn.Module]]:
@@ -352,6 +354,8 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         self._reducer.finish()
         self._launcher.reset()
         self._first_micro_step = True
+        if self.replicate is not None and self.replicate.active and self._grad_buffer:
+            self.replicate.all_reduce(self._grad_buffer[0])  # HSDP: the window's shards summed across replicas
         self._scale_local_grads(scale)
 
     def gradients(self) -> list[Tensor]:
@@ -460,6 +464,9 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
             },
             split["host"],
         )
+
+    def comms(self) -> list[Comm]:
+        return [self.comm] + ([self.replicate] if self.replicate is not None else [])
 
     def teardown(self) -> None:
         for handle in self._hooks:
