@@ -81,9 +81,11 @@ class Case:
     samples_per_replica: int | None = None  # the data's size per replica (default: full windows of ``steps``)
 
     def replicas(self, world_size: int) -> int:
-        """Data-parallel replicas: the ranks of one pipeline read the same data."""
+        """Data-parallel replicas: the ranks of one pipeline, and of one tensor-parallel group, read the same data."""
         if self.strategy == "pipeline":
             return world_size // self.options.get("stages", world_size)
+        if self.strategy == "parallel":
+            return world_size // (self.options.get("tp", 1) * self.options.get("pp", 1))
         return world_size
 
     def tolerance(self) -> dict[str, float]:
@@ -156,6 +158,14 @@ def _module_and_data(case: Case, world_size: int) -> tuple[Any, Any]:
         return DeferredInitNet(), sequence_regression_data(samples)
     if case.model == "batchnorm":
         return BatchNormRegression(), regression_data(samples)
+    if case.model == "llama":  # examples/llama.py: RMSNorm, rotary, SwiGLU, grouped-query attention, untied head
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+        from llama import Llama
+
+        torch.manual_seed(0)
+        module = Llama(vocab_size=16, max_seq_len=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64,
+                       warmup_steps=2, max_steps=10, adam_eps=1e-3)
+        return module, TokenWindows(MarkovChain(16, 0.5, seed=3).sample(samples, 17, seed=4))
     if case.model in ("gpt", "gpt6"):  # tied embeddings; loss weighted by tokens; gpt6: 8 pipeline layers
         # Adam divides each gradient by its own magnitude (plus eps), so an element whose gradient is
         # ~1e-9 turns reduction-order noise of ~1e-8 into a different update. No biases (the key bias's
@@ -175,8 +185,8 @@ def run_case(case: Case, world_size: int, per_rank_batch: int, accelerator: str)
         module.configure_optimizers = lambda: OneBitAdam(module.parameters(), **case.onebit)
     probe = Probe(case.record_comm, case.init_scale)
     strategy = get_strategy(case.strategy, **case.options)
-    val_data = TokenWindows(MarkovChain(16, 0.5, seed=3).sample(13, 17, seed=5)) if case.model in ("gpt", "gpt6") \
-        else regression_data(13, seed=5)
+    tokens = case.model in ("gpt", "gpt6", "llama")
+    val_data = TokenWindows(MarkovChain(16, 0.5, seed=3).sample(13, 17, seed=5)) if tokens else regression_data(13, seed=5)
     val = DataLoader(val_data, batch_size=per_rank_batch) if case.validate else None
     trainer = Trainer(
         accelerator=accelerator, activation_checkpointing=[Block] if case.checkpointing else None,
