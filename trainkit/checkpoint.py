@@ -430,7 +430,8 @@ class CheckpointReader:
         strided block, read with one ``pread`` and copied with one strided copy."""
         out = torch.empty(stop - start, dtype=getattr(torch, entry["dtype"]))
         copied = 0
-        for piece in entry["pieces"]:
+        unique = {(p["start"], p["stop"], tuple(p.get("strided", ()))): p for p in entry["pieces"]}  # (version 1 could
+        for piece in unique.values():  # store a weight tied across pipeline stages twice)
             held = Strided(*piece["strided"]) if "strided" in piece else None
             name = _stored_name(key, piece["start"], held)
             for rows, cols, index, pitch, other, other_pitch in overlaps(start, stop, strided, piece["start"],

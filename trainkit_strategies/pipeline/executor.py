@@ -533,13 +533,23 @@ class PipelineStrategy(Wrapper, RunsSchedule):
 
     # -- state ---------------------------------------------------------------------------------------
     def state_layout(self) -> st.StateLayout:
+        """The stage's holders under the module's names; a parameter tied across stages is written by its first."""
         inner = self.inner.state_layout()
         rename = self._to_global.__getitem__
+        names = st.param_names(self._stage)
+        elsewhere = {self._to_global[names[p]] for p, _, counted in self._tied if not counted}
+
+        def convert(holder: st.Holder) -> st.Holder:
+            renamed = st.rename_holder(holder, rename)
+            if renamed.segments and all(s.name in elsewhere for s in renamed.segments):
+                return st.Holder(renamed.tensor, renamed.segments, False)
+            return renamed
+
         return st.StateLayout(
             shapes=self._shapes,
-            model=[st.rename_holder(h, rename) for h in inner.model],
+            model=[convert(h) for h in inner.model],
             optimizer=inner.optimizer,
-            optimizer_holders=[st.rename_holder(h, rename) for h in inner.optimizer_holders],
+            optimizer_holders=[convert(h) for h in inner.optimizer_holders],
             group_names=self._group_names,
         )
 
