@@ -42,7 +42,7 @@ def test_print_config_round_trips_through_config(tmp_path, capsys):
     config = yaml.safe_load(printed)
     assert config["trainer"]["max_steps"] == 7
     assert config["trainer"]["precision"] == "bf16-mixed"
-    assert config["trainer"]["strategy"]["class_path"] == "trainkit_strategies.single.SingleStrategy"
+    assert config["trainer"]["strategy"]["class_path"] == "trainkit_strategies.data_parallel.single.SingleStrategy"
     path = tmp_path / "config.yaml"
     path.write_text(printed)
     with pytest.raises(SystemExit):

@@ -33,7 +33,7 @@ def test_find_unused_parameters_keeps_unused_grads_none(tmp_path):
 @pytest.mark.parametrize(
     ("name", "options", "message"),
     [
-        ("zero3x", {}, "Unknown strategy 'zero3x'. Valid strategies: ddp, fsdp, pipeline, single, zero1"),
+        ("zero3x", {}, "Unknown strategy 'zero3x'. Valid strategies: ddp, fsdp, parallel, pipeline, single, zero1"),
         ("ddp", {"bucket_mb": 0}, "ddp bucket_mb must be positive; got 0"),
         ("zero2", {"bucket_mb": -1}, "zero2 bucket_mb must be positive; got -1"),
         ("zero_offload", {"ratio": 1.5}, r"zero_offload ratio must be in \[0, 1\]; got 1.5"),

@@ -107,7 +107,7 @@ def test_host_device_transfers_are_two_per_bucket_without_conversion(monkeypatch
         return real(dst, src)
 
     monkeypatch.setattr(master_module, "transfer", counted)
-    monkeypatch.setattr("trainkit_strategies.zero.transfer", counted)
+    monkeypatch.setattr("trainkit_strategies.data_parallel.zero.transfer", counted)
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(24)]).cuda()
     strategy = get_strategy("zero_offload", bucket_mb=0.02)
@@ -170,7 +170,7 @@ def test_offload_accumulation_never_waits_for_the_bus_inside_backward(monkeypatc
     from trainkit_strategies.hostcopy import CopyStream
 
     waits: list[tuple[str, bool]] = []
-    monkeypatch.setattr("trainkit_strategies.zero.CopyStream.mark", lambda self: object())  # a pending copy
+    monkeypatch.setattr("trainkit_strategies.data_parallel.zero.CopyStream.mark", lambda self: object())  # a pending copy
     monkeypatch.setattr(CopyStream, "wait", staticmethod(lambda event: None))  # a wait on the device, not the host
     monkeypatch.setattr(CopyStream, "synchronize", staticmethod(
         lambda event: waits.append((threading.current_thread().name, torch._C._current_graph_task_id() != -1))))
@@ -204,7 +204,7 @@ def test_the_delayed_update_waits_for_the_last_upload_before_rewriting_its_buffe
 
     events: list[str] = []
     token = object()
-    monkeypatch.setattr("trainkit_strategies.zero.mark", lambda device: token)
+    monkeypatch.setattr("trainkit_strategies.data_parallel.zero.mark", lambda device: token)
     monkeypatch.setattr(CopyStream, "synchronize", staticmethod(
         lambda event: events.append("waited for the upload") if event is token else None))
     world = SimWorld(1)

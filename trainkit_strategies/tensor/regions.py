@@ -25,6 +25,7 @@ are written (Megatron lays activations out sequence-first to avoid it).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -200,7 +201,8 @@ class SequenceParallelLinear(Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, comm: Comm) -> Tensor:
         device, ctx.input_dtype = x.device.type, x.dtype
-        if torch.is_autocast_enabled(device):
+        autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+        if autocast:
             dtype = torch.get_autocast_dtype(device)
             x, w = x.to(dtype), weight.to(dtype)
             b = bias.to(dtype) if bias is not None else None
@@ -209,7 +211,7 @@ class SequenceParallelLinear(Function):
         ctx.comm, ctx.has_bias = comm, bias is not None
         ctx.save_for_backward(x, w)
         ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
-        with torch.autocast(device, enabled=False):
+        with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
             return torch.nn.functional.linear(all_gather_seq(x, comm), w, b)
 
     @staticmethod
