@@ -186,7 +186,8 @@ def run_case(case: Case, world_size: int, per_rank_batch: int, accelerator: str)
     probe = Probe(case.record_comm, case.init_scale)
     strategy = get_strategy(case.strategy, **case.options)
     tokens = case.model in ("gpt", "gpt6", "llama")
-    val_data = TokenWindows(MarkovChain(16, 0.5, seed=3).sample(13, 17, seed=5)) if tokens else regression_data(13, seed=5)
+    val_data = (TokenWindows(MarkovChain(16, 0.5, seed=3).sample(13, 17, seed=5)) if tokens
+                else regression_data(13, seed=5))
     val = DataLoader(val_data, batch_size=per_rank_batch) if case.validate else None
     trainer = Trainer(
         accelerator=accelerator, activation_checkpointing=[Block] if case.checkpointing else None,

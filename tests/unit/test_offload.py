@@ -170,7 +170,8 @@ def test_offload_accumulation_never_waits_for_the_bus_inside_backward(monkeypatc
     from trainkit_strategies.hostcopy import CopyStream
 
     waits: list[tuple[str, bool]] = []
-    monkeypatch.setattr("trainkit_strategies.data_parallel.zero.CopyStream.mark", lambda self: object())  # a pending copy
+    pending = lambda self: object()  # a pending copy
+    monkeypatch.setattr("trainkit_strategies.data_parallel.zero.CopyStream.mark", pending)
     monkeypatch.setattr(CopyStream, "wait", staticmethod(lambda event: None))  # a wait on the device, not the host
     monkeypatch.setattr(CopyStream, "synchronize", staticmethod(
         lambda event: waits.append((threading.current_thread().name, torch._C._current_graph_task_id() != -1))))

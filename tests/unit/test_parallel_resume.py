@@ -111,4 +111,5 @@ def test_a_checkpoint_resumes_under_every_layout(pair, saved, reference):
     resumed = run(b, [1], saved[a], None)
     assert resumed.keys() == reference.keys()
     for name, want in reference.items():
-        torch.testing.assert_close(resumed[name], want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{a} -> {b}, {n}: {m}")
+        torch.testing.assert_close(resumed[name], want, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, n=name: f"{a} -> {b}, {n}: {m}")
