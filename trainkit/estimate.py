@@ -6,7 +6,12 @@ rank and world size asked for, with a ``PlanComm`` that counts every byte and mo
 optimizer step as a run takes it. Its ``memory_report()`` at that step's peak (gradients held, optimizer state
 created) gives the model-state bytes on the device and on the host; the setup's peak is measured while it
 builds its buckets or shards (``LiveBytes``); the step's bytes per collective kind are what its own code issued
-(padding, buffer broadcasts, compression, a pipeline's activations, a persistent unit gathered once).
+(padding, buffer broadcasts, compression, a pipeline's activations, a persistent unit gathered once), and by the
+axis of the layout they ran along. Beside the strategies by name, layout rows plan ``strategy="parallel"`` at each
+tp x pp x dp_shard the world allows (tp within a node). The planner asks each strategy what it needs
+(``unfit_for``), how it would run the module (``planned``: a pipeline's depth, the ranks worth planning), what its
+rank computes (``activation_model``: tensor-parallel slices) and what to say of it (``describe``): it knows no
+strategy by name.
 Activations are the bytes autograd saves for backward in one micro-batch's ``training_step`` traced with fake
 tensors (``ActivationMeter``) under the precision's autocast, with each parameter in the dtype the strategy
 computes with, with and without activation checkpointing.
@@ -17,7 +22,7 @@ from __future__ import annotations
 import copy
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,10 +34,10 @@ from torch.optim import Optimizer
 from trainkit.activation import apply_activation_checkpointing
 from trainkit.optim import parse_optimizers
 from trainkit.step import unpack_output
-from trainkit_strategies import ActivationMeter, Environment, Precision, RunsSchedule, SelfReducing, get_strategy
+from trainkit_strategies import ActivationMeter, Environment, Precision, RunsSchedule, Strategy, get_strategy
 from trainkit_strategies.comm import PlanComm
 from trainkit_strategies.memory import LiveBytes
-from trainkit_strategies.sharding.fsdp import FSDPStrategy
+from trainkit_strategies.sharding.units import repeated_layers
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero_offload", "zero3", "fsdp", "pipeline")
 AUTO_ORDER = ("ddp", "zero1", "zero2", "fsdp", "zero_offload")  # fastest first, as strategy="auto" tries them
@@ -83,6 +88,16 @@ class StrategyEstimate:
     pinned: int = 0  # the page-locked part of ``host`` (what crosses the bus)
     comm_by_kind: dict[str, int] = field(default_factory=dict)  # ``comm`` by collective kind (Comm.stats's)
     rank: int = 0  # the rank planned (the heaviest: not rank 0, padding lands on the last ranks; a pipeline's stage)
+    comm_by_axis: dict[str, int] = field(default_factory=dict)  # ``comm`` by the axis of the layout it ran along
+    name: str = ""  # the registered strategy (``strategy`` is the row's label: a layout row's degrees)
+    options: dict[str, Any] = field(default_factory=dict)  # its options (a layout row's degrees)
+
+    @property
+    def registered(self) -> str:
+        return self.name or self.strategy
+
+    def describe_choice(self) -> str:
+        return f"{self.registered} ({self.strategy})" if self.options else self.strategy
 
     @property
     def applies(self) -> bool:
@@ -118,16 +133,18 @@ class Estimate:
     def table(self) -> str:
         lines = [f"{_count(self.parameters)} parameters, {self.world_size} rank(s), precision {self.precision}"
                  + (f", device memory {human(self.device_memory)}" if self.device_memory else ""),
-                 f"{'strategy':<13}{'device state':>14}{'host state':>12}{'(pinned)':>11}{'activations':>13}"
+                 f"{'strategy':<14}{'device state':>14}{'host state':>12}{'(pinned)':>11}{'activations':>13}"
                  f"{'(ckpt)':>11}{'setup peak':>12}{'comm/step':>12}  fits  note"]
         for r in self.rows:
             fits = {True: "yes", False: "no", None: "-"}[self.fits(r)]
             if not r.applies:
-                lines.append(f"{r.strategy:<13}{'':>95}  {'-':<4}  {r.note}")
+                lines.append(f"{r.strategy:<14}{'':>95}  {'-':<4}  {r.note}")
                 continue
-            lines.append(f"{r.strategy:<13}{human(r.device):>14}{human(r.host):>12}{human(r.pinned):>11}"
+            axes = ", ".join(f"{axis} {human(n)}" for axis, n in r.comm_by_axis.items() if n)
+            note = "; ".join(x for x in (r.note, f"comm {axes}" if r.options and axes else "") if x)
+            lines.append(f"{r.strategy:<14}{human(r.device):>14}{human(r.host):>12}{human(r.pinned):>11}"
                          f"{_maybe(r.activations):>13}{_maybe(r.activations_checkpointed):>11}{human(r.setup):>12}"
-                         f"{_maybe(r.comm):>12}  {fits:<4}  {r.note}")
+                         f"{_maybe(r.comm):>12}  {fits:<4}  {note}")
         if any(r.applies and r.activations is None for r in self.rows):
             lines.append("activations and comm/step are unknown without a batch to trace: pass --data (a DataModule)"
                          " or give the model a train_dataloader(); in Python, estimate(model, batch).")
@@ -156,12 +173,14 @@ def _optimizer(module: nn.Module) -> Optimizer:
 
 def _activations(module: nn.Module, batch: Any, precision: Precision, device_type: str,
                  policy: Sequence[type[nn.Module]] | Callable[[nn.Module], bool] | None,
-                 dtypes: dict[str, torch.dtype] | None = None) -> tuple[int, int]:
+                 dtypes: dict[str, torch.dtype] | None = None,
+                 rewrite: Callable[[nn.Module], nn.Module] = lambda m: m) -> tuple[int, int]:
     """Bytes saved for backward by one ``training_step`` on ``batch``, plain and checkpointed, traced with fake
     tensors on ``device_type`` (so autocast applies as it will; no memory is used), with each parameter in the
     dtype ``dtypes`` gives it (what a strategy computes with: under bf16-mixed ddp keeps fp32 parameters, whose
     bf16 copies autocast saves for backward, where the ZeRO stages and FSDP compute with bf16 working parameters
-    and save nothing extra), and the batch as the precision feeds it (bf16 under "bf16-true")."""
+    and save nothing extra), and the batch as the precision feeds it (bf16 under "bf16-true"). ``rewrite`` turns the
+    meta copy into what one rank computes (a strategy's ``activation_model``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     def trace(model: nn.Module) -> int:
@@ -178,10 +197,10 @@ def _activations(module: nn.Module, batch: Any, precision: Precision, device_typ
                 loss, _ = unpack_output(model.training_step(fake, 0))
         return meter.bytes if loss is not None else 0
 
-    plain = trace(meta_copy(module))
-    checkpointed = meta_copy(module)
+    plain = trace(rewrite(meta_copy(module)))
+    checkpointed = rewrite(meta_copy(module))
     if policy is None:
-        repeated = set(FSDPStrategy._repeated_layers(checkpointed))
+        repeated = set(repeated_layers(checkpointed))
         policy = lambda m: m in repeated  # the blocks FSDP would wrap
     try:
         apply_activation_checkpointing(checkpointed, policy)
@@ -190,20 +209,21 @@ def _activations(module: nn.Module, batch: Any, precision: Precision, device_typ
     return plain, trace(checkpointed)
 
 
-def _setup(name: str, module: nn.Module, precision: Precision, world_size: int, rank: int, batch: Any,
+def _setup(strategy: Strategy, module: nn.Module, precision: Precision, world_size: int, rank: int, batch: Any,
            device_type: str = "cpu", trace_on: str = "cpu", crossing: dict | None = None,
-           **options: Any) -> tuple[Any, int, dict[str, int]]:
-    """``name`` set up on a meta copy of ``module`` as rank ``rank`` of ``world_size`` with a ``PlanComm`` (every byte
-    counted, none moved), then one optimizer step taken as a run takes it (forward and backward of ``batch`` or the
-    pipeline's schedule, the reduction, the update), left at its peak: gradients still held, the optimizer state
-    created. Returns the strategy, the most device bytes its setup held at once, and the bytes the step's
-    collectives and transfers carried by kind. Without a batch the backward is a synthetic one that touches every
-    parameter (model state as in a run; the bytes then leave out what depends on the data). Host memory is on the
-    meta device too; on ``device_type`` "cuda" it is laid out as apart from the device's."""
+           devices_per_node: int | None = None) -> tuple[Any, int, dict[str, dict[str, int]]]:
+    """``strategy`` (a fresh copy of the planned one) set up on a meta copy of ``module`` as rank ``rank`` of
+    ``world_size`` with a ``PlanComm`` (every byte counted, none moved), then one optimizer step taken as a run takes
+    it (forward and backward of ``batch`` or the pipeline's schedule, the reduction, the update), left at its peak:
+    gradients still held, the optimizer state created. Returns the strategy, the most device bytes its setup held
+    at once, and the bytes the step's collectives and transfers carried, by kind and by axis. Without a batch the
+    backward is a synthetic one that touches every parameter (model state as in a run; the bytes then leave out
+    what depends on the data). Host memory is on the meta device too; on ``device_type`` "cuda" it is laid out as
+    apart from the device's."""
     model = meta_copy(module)
-    strategy = get_strategy(name, **options)
+    strategy = copy.deepcopy(strategy)
     env = Environment(device=META, rank=rank, local_rank=rank, world_size=world_size, host=META,
-                      separate_host=device_type == "cuda")
+                      separate_host=device_type == "cuda", local_world_size=devices_per_node or 0)
     strategy.setup_environment(env, comm=PlanComm(world_size, rank, META))
     with LiveBytes(META) as setup:
         strategy.setup(model, _optimizer(model), precision)
@@ -213,10 +233,16 @@ def _setup(name: str, module: nn.Module, precision: Precision, world_size: int, 
     if strategy.optimizer is not None:
         model.train()
         _one_step(strategy, model, module, batch, precision, trace_on, crossing)
-    moved: dict[str, int] = {}
+    moved: dict[str, dict[str, int]] = {"kind": {}, "axis": {}}
     for comm in comms:
         for kind, n in comm.stats.bytes.items():
-            moved[kind] = moved.get(kind, 0) + n
+            moved["kind"][kind] = moved["kind"].get(kind, 0) + n
+    seen: set[int] = set()
+    for axis, on_axis in strategy.comms_by_axis().items():
+        for comm in on_axis:
+            if id(comm) not in seen:
+                seen.add(id(comm))
+                moved["axis"][axis] = moved["axis"].get(axis, 0) + sum(comm.stats.bytes.values())
     return strategy, setup.peak, moved
 
 
@@ -235,23 +261,26 @@ def _one_step(strategy: Any, model: nn.Module, module: nn.Module, batch: Any, pr
         if loss is not None:
             strategy.backward(loss)
     else:  # no data: a backward that reaches every trainable parameter this rank runs
-        params = [p for p in (strategy.inner.module if isinstance(strategy, RunsSchedule) else model).parameters()
-                  if p.requires_grad]
+        params = strategy.trainable()
         if params:
-            (strategy.inner if isinstance(strategy, RunsSchedule) else strategy).backward(
-                torch.stack([p.sum() for p in params]).sum() * 0)
+            strategy.backward(torch.stack([p.sum() for p in params]).sum() * 0)
     strategy.reduce_gradients(1.0)
     strategy.optimizer_step()  # its collectives counted, its state created; gradients are still held
 
 
-def _crossing(strategy: Any, module: nn.Module, batch: Any, precision: Precision, trace_on: str) -> dict:
-    """What crosses a planned pipeline's boundaries, traced with fake tensors where autocast runs as in the run (the
-    dtype of an activation crossing a boundary is the forward's)."""
+def _crossing(strategy: Any, module: nn.Module, batch: Any, precision: Precision, trace_on: str,
+              dtypes: dict[str, torch.dtype] | None = None) -> dict:
+    """What crosses a planned pipeline's boundaries, traced with fake tensors where autocast runs as in the run, with
+    the parameters in the dtypes the stages compute with (the dtype of an activation crossing a boundary is the
+    forward's)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    full = meta_copy(module)
+    full = strategy.activation_model(meta_copy(module), torch.device(trace_on))  # as a rank computes it
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         full.to_empty(device=trace_on)
+        for name, p in full.named_parameters():  # in the dtypes the stages compute with
+            if dtypes and name in dtypes and p.dtype != dtypes[name]:
+                p.data = p.data.to(dtypes[name])
         fake = precision.convert_input(
             apply_to_collection(batch, torch.Tensor, lambda t: mode.from_tensor(t.to(trace_on))))
         with torch.no_grad(), precision.forward_context(torch.device(trace_on)):
@@ -261,9 +290,10 @@ def _crossing(strategy: Any, module: nn.Module, batch: Any, precision: Precision
 def estimate(module: nn.Module, batch: Any, world_size: int = 1, precision: str = "32",
              strategies: Sequence[str] = STRATEGIES, device_memory: str | int | None = None,
              activation_checkpointing: Sequence[type[nn.Module]] | Callable[[nn.Module], bool] | None = None,
-             device_type: str = "cpu") -> Estimate:
+             device_type: str = "cpu", layouts: Sequence[Mapping[str, int]] | None = None,
+             devices_per_node: int | None = None) -> Estimate:
     """Plan ``module`` (built on the meta device: ``with torch.device("meta"): module = MyModule()``; a real
-    module is copied there) on ``world_size`` ranks, one row per strategy.
+    module is copied there) on ``world_size`` ranks, one row per strategy and per layout.
 
     Args:
         batch: one micro-batch as a rank sees it (any device; only its shapes and dtypes matter), or None: the
@@ -274,52 +304,90 @@ def estimate(module: nn.Module, batch: Any, world_size: int = 1, precision: str 
         device_type: "cpu" or "cuda": the device the run will train on (a GPU's host memory is apart from its own:
             offload's page-locked copies and device scratch); activations are traced with its autocast when it is
             available here, else on the CPU.
+        layouts: degrees of ``strategy="parallel"`` to plan (``{"tp": 2, "pp": 2}``; ``dp_shard`` takes the rest);
+            default: those ``mesh_layouts`` finds for the module; ``[]``: none.
+        devices_per_node: ranks per node (default: the world): a tensor-parallel group stays within one.
     """
     module = meta_copy(module)
     module.configure_model()
     policy = Precision.from_name(precision)
     trace_on = device_type if device_type == "cpu" or torch.cuda.is_available() else "cpu"
     traced: dict[tuple, tuple[int, int]] = {}  # per set of parameter dtypes a strategy computes with
+    optimizer = _optimizer(meta_copy(module))
+    if layouts is None:
+        layouts = mesh_layouts(module, world_size, devices_per_node)
+    candidates = [(name, name, {}) for name in strategies]
+    candidates += [(layout_label(degrees, world_size), "parallel", dict(degrees)) for degrees in layouts]
     rows = []
-    optimizer = type(_optimizer(meta_copy(module)))
-    for name in strategies:
-        if name == "pipeline" and not callable(getattr(module, "pipeline_layers", None)):
-            rows.append(StrategyEstimate(name, note="n/a: the module has no pipeline_layers()"))
+    for label, name, options in candidates:
+        try:
+            strategy = get_strategy(name, **options)
+            unfit = strategy.unfit_for(module, optimizer)
+            if unfit is not None:
+                rows.append(StrategyEstimate(label, note=f"n/a: {unfit}", name=name, options=options))
+                continue
+            strategy, setup_peak, moved = _heaviest(strategy, module, policy, world_size, batch, device_type,
+                                                    trace_on, devices_per_node)
+        except ValueError as err:  # a layout the model does not divide into (heads, layers), say
+            rows.append(StrategyEstimate(label, note=f"n/a: {err}", name=name, options=options))
             continue
-        if issubclass(optimizer, SelfReducing) and not get_strategy(name).accepts_self_reducing:
-            rows.append(StrategyEstimate(name, note=f"n/a: {optimizer.__name__} does not run under {name}"))
-            continue
-        strategy, setup_peak, moved = _heaviest(name, module, policy, world_size, batch, device_type, trace_on)
         plain = checkpointed = None
         if batch is not None:
             dtypes = {n: p.dtype for n, p in strategy.module.named_parameters()}
-            key = tuple(sorted((n, str(d)) for n, d in dtypes.items()))
+            rewritten = type(strategy).activation_model is not Strategy.activation_model
+            key = (tuple(sorted((n, str(d)) for n, d in dtypes.items())), label if rewritten else "")
             if key not in traced:
-                traced[key] = _activations(module, batch, policy, trace_on, activation_checkpointing, dtypes)
+                rewrite = lambda m, s=strategy: s.activation_model(m, torch.device(trace_on))
+                traced[key] = _activations(module, batch, policy, trace_on, activation_checkpointing, dtypes, rewrite)
             plain, checkpointed = traced[key]
         report = strategy.memory_report()
-        note = f"{strategy.stages} stages x {strategy.replicas} replicas, layers {strategy.stage_sizes}" \
-            if name == "pipeline" else ""
-        rows.append(StrategyEstimate(name, report.device_total, report.host_total, plain, checkpointed,
-                                     sum(moved.values()) if batch is not None else None, dict(report.device), note,
-                                     setup_peak, report.pinned, moved, strategy.rank))
+        rows.append(StrategyEstimate(label, report.device_total, report.host_total, plain, checkpointed,
+                                     sum(moved["kind"].values()) if batch is not None else None, dict(report.device),
+                                     strategy.describe(), setup_peak, report.pinned, moved["kind"], strategy.rank,
+                                     moved["axis"] if batch is not None else {}, name, options))
     params = sum(p.numel() for p in module.parameters())
     memory = parse_bytes(device_memory) if device_memory is not None else None
     return Estimate(params, world_size, policy.name, rows, memory)
 
 
-def _heaviest(name: str, module: nn.Module, precision: Precision, world_size: int, batch: Any,
-              device_type: str, trace_on: str) -> tuple[Any, int, dict[str, int]]:
-    """The strategy as set up on the rank that holds the most: not rank 0 (uneven shards' padding lands on the
-    last ranks), and under pipeline the heaviest stage, with as many stages as the world and the layers allow."""
-    if name != "pipeline":
-        return _setup(name, module, precision, world_size, 1 if world_size > 1 else 0, batch, device_type, trace_on)
-    layers = len(module.pipeline_layers())
-    stages = max(d for d in range(1, world_size + 1) if world_size % d == 0 and d <= layers)
-    first = _setup(name, module, precision, world_size, 0, None, device_type, trace_on, stages=stages)[0]
-    crossing = _crossing(first, module, batch, precision, trace_on) if batch is not None else None  # traced once
-    setups = [_setup(name, module, precision, world_size, rank, batch, device_type, trace_on, crossing,
-                     stages=stages) for rank in range(stages)]
+def mesh_layouts(module: nn.Module, world_size: int, devices_per_node: int | None = None) -> list[dict[str, int]]:
+    """The layouts worth planning for ``module`` on ``world_size`` ranks: tensor parallelism of 2, 4 or 8 within a
+    node (when the module has a ``tensor_parallel_plan()``) times 1, 2 or 4 pipeline stages (when it has
+    ``pipeline_layers()`` with as many layers), the data-parallel shards taking the rest (without tensor
+    parallelism the layout is ``fsdp`` or ``pipeline``, already rows)."""
+    if not callable(getattr(module, "tensor_parallel_plan", None)):
+        return []
+    node = devices_per_node or world_size
+    layers = len(module.pipeline_layers()) if callable(getattr(module, "pipeline_layers", None)) else 1
+    return [{"tp": tp, "pp": pp} for pp in (1, 2, 4) if pp <= layers for tp in (2, 4, 8)
+            if node % tp == 0 and world_size % (tp * pp) == 0]
+
+
+def layout_label(degrees: Mapping[str, int], world_size: int) -> str:
+    """``{"tp": 2, "pp": 2}`` at 8 ranks -> "pp2 tp2 dp2" (dp: the sharded data-parallel rest)."""
+    tp, pp, replicate = degrees.get("tp", 1), degrees.get("pp", 1), degrees.get("dp_replicate", 1)
+    shard = degrees.get("dp_shard") or world_size // max(1, tp * pp * replicate)
+    parts = [f"pp{pp}" if pp > 1 else "", f"tp{tp}" if tp > 1 else "", f"rep{replicate}" if replicate > 1 else "",
+             f"dp{shard}" if shard > 1 else ""]
+    return " ".join(p for p in parts if p) or "parallel"
+
+
+def _heaviest(strategy: Strategy, module: nn.Module, precision: Precision, world_size: int, batch: Any,
+              device_type: str, trace_on: str,
+              devices_per_node: int | None = None) -> tuple[Any, int, dict[str, dict[str, int]]]:
+    """The strategy as set up on the rank that holds the most, of the ranks it says differ (``planned``). A schedule
+    is planned with what crosses its boundaries, traced once."""
+    planned, ranks = strategy.planned(module, world_size)
+    args = (module, precision, world_size)
+    crossing = None
+    if isinstance(planned, RunsSchedule) and batch is not None:  # each stage's parameters in its compute dtypes
+        stages = [_setup(planned, *args, r, None, device_type, trace_on, None, devices_per_node)[0] for r in ranks]
+        built = {n: p.dtype for n, p in module.named_parameters()}
+        dtypes = dict(built)
+        for stage in stages:  # a stage converts its own parameters only
+            dtypes |= {n: p.dtype for n, p in stage.module.named_parameters() if p.dtype != built.get(n, p.dtype)}
+        crossing = _crossing(stages[0], module, batch, precision, trace_on, dtypes)
+    setups = [_setup(planned, *args, rank, batch, device_type, trace_on, crossing, devices_per_node) for rank in ranks]
     return max(setups, key=lambda s: s[0].memory_report().device_total)
 
 
@@ -344,12 +412,14 @@ def first_batch(loader: Any) -> Any:
 
 
 def choose(plan: Estimate, checkpointing: bool) -> StrategyEstimate:
-    """What ``strategy="auto"`` takes: the first of ``AUTO_ORDER`` (fastest first) whose model state and one
-    micro-batch's activations fit the device memory with headroom; raises, naming the smallest plan, if none does."""
+    """What ``strategy="auto"`` takes: the first of ``AUTO_ORDER`` (fastest first), then of the layout rows (tensor
+    parallelism, then pipelines), whose model state and one micro-batch's activations fit the device memory with
+    headroom; raises, naming the smallest plan, if none does."""
     assert plan.device_memory is not None
     limit = HEADROOM * plan.device_memory
 
-    rows = [row for row in (plan.row(name) for name in AUTO_ORDER) if row.applies]
+    by_name = sorted((r for r in plan.rows if r.strategy in AUTO_ORDER), key=lambda r: AUTO_ORDER.index(r.strategy))
+    rows = [row for row in by_name + [r for r in plan.rows if r.options] if row.applies]
     for row in rows:
         if row.need(checkpointing) <= limit:
             return row
@@ -357,7 +427,7 @@ def choose(plan: Estimate, checkpointing: bool) -> StrategyEstimate:
     activations = smallest.activations_checkpointed if checkpointing else smallest.activations
     raise ValueError(
         f"No strategy fits in {human(plan.device_memory)} per device ({int(HEADROOM * 100)}% usable): the smallest "
-        f"plan is {smallest.strategy} with {human(smallest.need(checkpointing))} per rank (model state "
+        f"plan is {smallest.describe_choice()} with {human(smallest.need(checkpointing))} per rank (model state "
         f"{human(smallest.device)}, activations {human(activations)}, setup peak {human(smallest.setup)}) at "
         f"{plan.world_size} ranks. Use more devices, activation checkpointing, a smaller batch, or another strategy "
         "by name (zero3, pipeline).")

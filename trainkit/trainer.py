@@ -25,7 +25,17 @@ from trainkit.callbacks.telemetry import Telemetry
 from trainkit.callbacks.throughput import ThroughputMonitor
 from trainkit.data import DataConnector, DataModule
 from trainkit.dispatch import HookDispatch
-from trainkit.estimate import AUTO_ORDER, choose, device_memory_of, estimate, first_batch, human, meta_copy, parse_bytes
+from trainkit.estimate import (
+    AUTO_ORDER,
+    choose,
+    device_memory_of,
+    estimate,
+    first_batch,
+    human,
+    mesh_layouts,
+    meta_copy,
+    parse_bytes,
+)
 from trainkit.loggers import Logger, TensorBoardLogger
 from trainkit.loops import EvalLoop, FitLoop, LoopConfig, Progress, loss_logger
 from trainkit.module import TrainModule
@@ -442,22 +452,34 @@ class Trainer(TrainerProperties):
             model.configure_model()
         memory = self.device_memory or device_memory_of(self.strategy.device)
         try:
-            plan = estimate(model, first_batch(self.data.train_dataloader), self.world_size, self.precision.name,
-                            AUTO_ORDER, memory, self.activation_checkpointing, self.strategy.device.type)
-            checkpointing = bool(self.activation_checkpointing)
-            row = choose(plan, checkpointing)
-            decision = (row.strategy, f"strategy='auto': {row.strategy}, the fastest plan that fits: "
-                        f"{human(row.need(checkpointing))} per rank of {human(memory)} ("
+            batch, checkpointing = first_batch(self.data.train_dataloader), bool(self.activation_checkpointing)
+
+            def plan_with(layouts: list) -> Any:
+                return estimate(model, batch, self.world_size, self.precision.name, AUTO_ORDER, memory,
+                                self.activation_checkpointing, self.strategy.device.type, layouts,
+                                self.env.local_world_size or None)
+
+            plan = plan_with([])
+            try:
+                row = choose(plan, checkpointing)
+            except ValueError:  # no one-axis strategy fits: the layouts of strategy="parallel" too
+                layouts = mesh_layouts(model, self.world_size, self.env.local_world_size or None)
+                if not layouts:
+                    raise
+                plan = plan_with(layouts)
+                row = choose(plan, checkpointing)
+            decision = (row.registered, row.options, f"strategy='auto': {row.describe_choice()}, the fastest plan "
+                        f"that fits: {human(row.need(checkpointing))} per rank of {human(memory)} ("
                         + ", ".join(f"{r.strategy} {human(r.need(checkpointing))}" for r in plan.rows if r.applies)
                         + ")")
         except ValueError as err:
-            decision = (None, str(err))
-        name, message = self.strategy.broadcast_object(decision)
+            decision = (None, {}, str(err))
+        name, options, message = self.strategy.broadcast_object(decision)
         if name is None:
             raise ValueError(message)
         if self.is_global_zero:
             print(message, flush=True)
-        chosen = get_strategy(name)
+        chosen = get_strategy(name, **options)
         chosen.setup_environment(self.env, comm=self.strategy.comm)
         self.strategy = self.data.strategy = chosen
         self.results = Results(chosen.reduce)

@@ -240,6 +240,33 @@ class Strategy(ABC):
         """Every communicator this strategy moves data through (their stats together are its traffic)."""
         return [self.comm]
 
+    def comms_by_axis(self) -> dict[str, list[Comm]]:
+        """``comms()`` by the axis of the layout they run along ("dp" for a one-axis data-parallel strategy; "tp",
+        "pp", "dp_shard", "dp_replicate" on a mesh): what a plan reports as bytes per step per axis."""
+        return {"dp": self.comms()}
+
+    # -- planning (``trainkit estimate``): a strategy describes itself, so the planner knows no strategy by name --
+    def unfit_for(self, module: nn.Module, optimizer: Optimizer | None) -> str | None:
+        """Why this strategy cannot train ``module`` with ``optimizer`` (None: it can)."""
+        if isinstance(optimizer, SelfReducing) and not self.accepts_self_reducing:
+            return f"{type(optimizer).__name__} does not run under {self.name}"
+        return None
+
+    def planned(self, module: nn.Module, world_size: int) -> tuple[Strategy, list[int]]:
+        """This strategy as it would train ``module`` on ``world_size`` ranks (options left to it decided), and the
+        ranks whose plans differ enough to compare for the heaviest (not rank 0: uneven shards pad the last ranks; a
+        pipeline's stages)."""
+        return self, [1 if world_size > 1 else 0]
+
+    def describe(self) -> str:
+        """After setup: what a plan's note says of this rank's share (a pipeline's stages, a mesh's layout)."""
+        return ""
+
+    def activation_model(self, model: nn.Module, device: torch.device) -> nn.Module:
+        """``model`` (a meta copy of the user's module) rewritten as this rank computes it, for tracing the
+        activations a rank saves (tensor-parallel layers compute on slices); the model itself by default."""
+        return model
+
     def settle(self) -> None:
         """Finish work a strategy keeps in flight across steps (a delayed parameter update, say), so the working
         parameters hold every step taken. Collective; the Trainer calls it before evaluating and after fit."""

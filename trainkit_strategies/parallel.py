@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
 from trainkit_strategies.base import Strategy, check_optimizer
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.comm import Comm, PlanComm
 from trainkit_strategies.environment import Environment
 from trainkit_strategies.layout import Layout, Mesh
 from trainkit_strategies.precision import DTYPE_NAMES, Precision
@@ -199,6 +199,24 @@ class ParallelStrategy(Wrapper):
     def own_comms(self) -> list[Comm]:
         return [self.tp_comm, self.dp_comm]
 
+    def comms_by_axis(self) -> dict[str, list[Comm]]:
+        assert self.mesh is not None
+        axes = {"tp": [self.tp_comm], "dp_shard": [self.mesh.comm("dp_shard")],
+                "dp_replicate": [self.mesh.comm("dp_replicate")]}
+        listed = {id(c) for comms in axes.values() for c in comms}
+        axes["dp"] = [self.dp_comm, *(c for c in self.inner.comms() if id(c) not in listed)]
+        return axes
+
+    # -- planning ------------------------------------------------------------------------------------
+    def unfit_for(self, module: nn.Module, optimizer: Optimizer | None) -> str | None:
+        return unplanned(module, self.tp) or super().unfit_for(module, optimizer)
+
+    def describe(self) -> str:
+        return str(self.layout) + ("" if self.sequence_parallel or self.tp == 1 else ", no sequence parallelism")
+
+    def activation_model(self, model: nn.Module, device: torch.device) -> nn.Module:
+        return split_for_trace(model, self.tp, self.sequence_parallel, device)
+
     # -- metrics ---------------------------------------------------------------------------------------
     def reduce(self, tensor: Tensor, op: str = "mean") -> Tensor:
         """Across the data-parallel ranks (the tensor-parallel ranks of one hold the same values)."""
@@ -247,6 +265,20 @@ class ParallelStrategy(Wrapper):
 
     def full_gradients(self) -> dict[str, Tensor]:
         return self._whole(self.inner.full_gradients())
+
+
+def unplanned(module: nn.Module, tp: int) -> str | None:
+    if tp > 1 and not callable(getattr(module, "tensor_parallel_plan", None)):
+        return "the module has no tensor_parallel_plan()"
+    return None
+
+
+def split_for_trace(model: nn.Module, tp: int, sequence_parallel: bool, device: torch.device) -> nn.Module:
+    """``model`` with its plan applied as one tensor-parallel rank computes it, over a ``PlanComm`` (collectives
+    counted, none performed: the shapes and the bytes saved for backward are a rank's)."""
+    if tp > 1:
+        apply_plan(model, model.tensor_parallel_plan(), PlanComm(tp, 0, device), sequence_parallel)
+    return model
 
 
 def check_degrees(**degrees: int | None) -> None:

@@ -54,8 +54,23 @@ def test_auto_with_nothing_fitting_names_the_smallest_plan(tmp_path):
     smallest = min(plan.rows, key=lambda r: r.peak)
     proc = _fit(tmp_path, smallest.peak // 4)
     assert proc.returncode != 0
-    assert "No strategy fits in" in proc.stderr and f"the smallest plan is {smallest.strategy}" in proc.stderr, \
-        proc.stderr[-3000:]
+    assert "No strategy fits in" in proc.stderr, proc.stderr[-3000:]
+    assert f"the smallest plan is {smallest.describe_choice()}" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_auto_takes_a_tensor_parallel_layout_when_no_one_axis_strategy_fits(tmp_path):
+    """The demo GPT declares a tensor-parallel plan: with room for tp=2's plan and for no one-axis strategy's, auto
+    trains under strategy="parallel" with tp=2 (and says so)."""
+    plan = _plan()
+    layout = plan.row("tp2")
+    one_axis = min(r.peak for r in plan.rows if not r.options)
+    assert layout.options == {"tp": 2, "pp": 1} and layout.peak < one_axis
+    proc = _fit(tmp_path, int((layout.peak + one_axis) / 2 / HEADROOM))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "strategy='auto': parallel (tp2), the fastest plan that fits" in proc.stdout, proc.stdout[-2000:]
+    from trainkit.checkpoint import CheckpointReader, latest
+
+    assert CheckpointReader(latest(tmp_path / "checkpoints")).meta["strategy"] == "parallel"
 
 
 def test_auto_under_checkpointing_says_the_size_it_decided_with(tmp_path):

@@ -26,6 +26,7 @@ embedding and LM head) are kept in sync by summing their gradients across those 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import time
 from collections.abc import Collection, Mapping, Sequence
@@ -527,6 +528,28 @@ class PipelineStrategy(Wrapper, RunsSchedule):
 
     def own_comms(self) -> list[Comm]:
         return [self.pipe, self.headers, *self.links.values(), *(c for _, c, _ in self._tied)]
+
+    def comms_by_axis(self) -> dict[str, list[Comm]]:
+        return {"pp": [self.comm, *self.own_comms()], **self.inner.comms_by_axis()}
+
+    # -- planning ------------------------------------------------------------------------------------
+    def unfit_for(self, module: nn.Module, optimizer: Optimizer | None) -> str | None:
+        missing = _missing_hooks(module)
+        if missing:
+            return f"the module has no {' or '.join(f'{m}()' for m in missing)}"
+        return super().unfit_for(module, optimizer)
+
+    def planned(self, module: nn.Module, world_size: int) -> tuple[Strategy, list[int]]:
+        """Stages left open: as many as the world and the layers allow. The first rank of every stage is planned."""
+        planned = copy.deepcopy(self)
+        if planned.stages is None:
+            layers = len(module.pipeline_layers())
+            planned.stages = max(d for d in range(1, world_size + 1) if world_size % d == 0 and d <= layers)
+        replicas = world_size // planned.stages
+        return planned, [stage * replicas for stage in range(planned.stages)]
+
+    def describe(self) -> str:
+        return f"{self.stages} stages x {self.replicas} replicas, layers {self.stage_sizes}"
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # the schedule applies the precision policy around each stage forward

@@ -5,12 +5,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
 from trainkit_strategies.base import Strategy
 from trainkit_strategies.layout import Layout
-from trainkit_strategies.parallel import AXES_USED, ParallelStrategy, check_degrees, resolve_layout
+from trainkit_strategies.parallel import (
+    AXES_USED,
+    ParallelStrategy,
+    check_degrees,
+    resolve_layout,
+    split_for_trace,
+    unplanned,
+)
 from trainkit_strategies.pipeline.executor import PipelineStrategy
 from trainkit_strategies.precision import Precision
 
@@ -50,6 +58,15 @@ class PipelinedParallel(PipelineStrategy):
     def setup(self, module: nn.Module, optimizer: Optimizer | None, precision: Precision) -> None:
         self.inner.named_by = module  # type: ignore[attr-defined]  # the plan names the module's submodules
         super().setup(module, optimizer, precision)
+
+    def unfit_for(self, module: nn.Module, optimizer: Optimizer | None) -> str | None:
+        return unplanned(module, self.tp) or super().unfit_for(module, optimizer)
+
+    def describe(self) -> str:
+        return f"{self.layout}, layers {self.stage_sizes}"
+
+    def activation_model(self, model: nn.Module, device: torch.device) -> nn.Module:
+        return split_for_trace(model, self.tp, self.sequence_parallel, device)
 
     def _make_inner(self) -> Strategy:
         inner = ParallelStrategy(pp=1, **{k: v for k, v in self.options.items()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from trainkit_strategies.sharding.engine import ShardedStrategy
+from trainkit_strategies.sharding.units import repeated_layers
 
 
 class FSDPStrategy(ShardedStrategy):
@@ -40,31 +41,11 @@ class FSDPStrategy(ShardedStrategy):
         if self.auto_wrap:
             chosen = [m for m in module.modules() if m is not module and isinstance(m, self.auto_wrap)]
         elif self.min_num_params is None:
-            chosen = self._repeated_layers(module)
+            chosen = repeated_layers(module)
         if self.min_num_params is not None:
             chosen += self._by_size(module, set(chosen))
         order = {m: i for i, m in enumerate(module.modules())}
         return [[m] for m in sorted(set(chosen), key=order.__getitem__)]
-
-    @staticmethod
-    def _repeated_layers(module: nn.Module) -> list[nn.Module]:
-        """The outermost repeated layers: children of an nn.ModuleList / nn.Sequential of which two or more
-        share a class (transformer blocks); the search does not descend into a chosen layer."""
-        out: list[nn.Module] = []
-
-        def visit(mod: nn.Module) -> None:
-            children = list(mod.children())
-            if isinstance(mod, nn.ModuleList | nn.Sequential):
-                kinds = [type(c) for c in children]
-                repeated = [c for c in children if kinds.count(type(c)) > 1 and any(True for _ in c.parameters())]
-                if repeated:
-                    out.extend(repeated)
-                    children = [c for c in children if c not in repeated]
-            for child in children:
-                visit(child)
-
-        visit(module)
-        return out
 
     def _by_size(self, module: nn.Module, wrapped: set[nn.Module]) -> list[nn.Module]:
         """Bottom-up: wrap a module once the parameters it holds outside wrapped descendants reach the threshold."""

@@ -89,3 +89,24 @@ def assign_units(module: nn.Module, names: dict[Tensor, str], groups: list[list[
         params_of[units[-1].index] = persistent
     return [u for u in units if params_of[u.index]], params_of
 
+
+
+def repeated_layers(module: nn.Module) -> list[nn.Module]:
+    """The outermost repeated layers: children of an nn.ModuleList / nn.Sequential of which two or more share a
+    class (transformer blocks); the search does not descend into a chosen layer. ``fsdp``'s default units, and the
+    blocks activation checkpointing and ``trainkit estimate`` take by default."""
+    out: list[nn.Module] = []
+
+    def visit(mod: nn.Module) -> None:
+        children = list(mod.children())
+        if isinstance(mod, nn.ModuleList | nn.Sequential):
+            kinds = [type(c) for c in children]
+            repeated = [c for c in children if kinds.count(type(c)) > 1 and any(True for _ in c.parameters())]
+            if repeated:
+                out.extend(repeated)
+                children = [c for c in children if c not in repeated]
+        for child in children:
+            visit(child)
+
+    visit(module)
+    return out

@@ -38,7 +38,7 @@ from trainkit_strategies.comm import Comm
 def _owned(x: Tensor) -> Tensor:
     """``x`` contiguous, in memory of our own: reduce-scatter uses its input as scratch space."""
     y = x.contiguous()
-    return y.clone() if y.data_ptr() == x.data_ptr() else y
+    return y.clone() if y is x else y  # contiguous() returns x itself when it already is
 
 
 def _seq_check(x: Tensor, n: int) -> None:
