@@ -165,7 +165,8 @@ def _estimate(parser: ArgumentParser, cfg: Namespace, sub_parser: ArgumentParser
         if memory is None and device_type == "cuda" and torch.cuda.is_available():
             memory = torch.cuda.get_device_properties(0).total_memory
         plan = estimate(model, batch, world_size=world, precision=args.precision, device_memory=memory,
-                        activation_checkpointing=args.activation_checkpointing, device_type=device_type)
+                        activation_checkpointing=args.activation_checkpointing, device_type=device_type,
+                        devices_per_node=sub_cfg.devices_per_node or args.devices)
     except (ValueError, TypeError, RuntimeError) as err:
         sub_parser.error(str(err))
     print(plan.table())
