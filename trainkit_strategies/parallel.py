@@ -155,6 +155,17 @@ class ParallelStrategy(Wrapper):
         if self.tp > 1:
             self.inner.keep_apart(self._replicated)  # summed across tp, counted once
         self.inner.setup(module, optimizer, precision)
+        self._sync_metrics_over_data(self.named_by if self.named_by is not None else module)
+
+    def _sync_metrics_over_data(self, module: nn.Module) -> None:
+        """torchmetrics objects on the module sync over the data-parallel ranks only: the tensor-parallel ranks of
+        one data-parallel coordinate saw the same samples, and counting them tp times would multiply every sum."""
+        for metric in module.modules():
+            if hasattr(metric, "sync_on_compute") and hasattr(metric, "process_group"):  # a torchmetrics Metric
+                if self.dp_comm.world_size > 1:
+                    metric.process_group = self.dp_comm.group
+                elif self.tp_comm.world_size > 1:
+                    metric.sync_on_compute = metric._to_sync = False  # no other rank read other data
 
     def _same_start(self, module: nn.Module) -> None:
         """Every tensor-parallel rank cuts its part from tensor-parallel rank 0's values (a rank that drew other
