@@ -52,3 +52,20 @@ def test_pipeline_schedules_smoke():
                                 ("zero_bubble", "ScheduleInterleavedZeroBubble")):
         assert any(line.startswith(schedule) and line.endswith(f"vs torch {reference}")
                    for line in proc.stdout.splitlines()), proc.stdout
+
+
+def test_tensor_parallel_smoke():
+    """Timings are printed, never asserted; what is asserted is deterministic: trainkit's tp=2 (with and without
+    sequence parallelism) computes DTensor's losses, and the bytes its collectives moved in one step equal the
+    Megatron / Korthikanti formula, kind by kind."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tensor_parallel.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.count("ratio trainkit / torch DTensor") == 2, out
+    checks = [line for line in out.splitlines() if line.startswith("byte check:")]
+    assert len(checks) == 6 and all(line.endswith(" agree") for line in checks), out
+    for line in out.splitlines():
+        if line.startswith("loss trainkit"):
+            worst = float(line.rsplit(", ", 1)[1].split()[0])
+            assert worst <= 1e-5, line
