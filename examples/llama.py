@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 import trainkit as tk
 from trainkit.cli import main
+from trainkit.parallel import attention, positions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt import TextData  # the byte-level text data of examples/gpt.py
@@ -60,15 +61,15 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Rotary position embeddings (Su et al., 2021), the rotate-half form: positions 0..t-1 of the sequence seen."""
+    """Rotary position embeddings (Su et al., 2021), the rotate-half form, at the positions of the tokens seen
+    (0..t-1; under context parallelism the rank's real indices)."""
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
         self.register_buffer("inv_freq", theta ** (-torch.arange(0, head_dim, 2).float() / head_dim), persistent=False)
 
     def forward(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:  # [b, t, heads, head_dim]
-        positions = torch.arange(q.shape[1], device=q.device, dtype=torch.float32)
-        angles = torch.outer(positions, self.inv_freq.float())
+        angles = torch.outer(positions(q.shape[1], q.device).float(), self.inv_freq.float())  # real indices under cp
         cos, sin = (torch.cat([f, f], -1)[None, :, None, :] for f in (angles.cos(), angles.sin()))
 
         def rotate(x: Tensor) -> Tensor:
@@ -101,7 +102,7 @@ class Attention(nn.Module):
         q, k = self.rotary(q, k)
         repeat = self.n_heads // self.n_kv_heads
         k, v = (z.repeat_interleave(repeat, dim=2) for z in (k, v))
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        y = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)  # or across cp
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 

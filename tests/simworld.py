@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import sys
 import threading
 import traceback
@@ -35,7 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 from trainkit_strategies import comm as comm_module
@@ -155,6 +156,7 @@ class _Op:
     dtype: torch.dtype
     where: str
     done: bool = False
+    batch: int | None = None  # posted by one batch_isend_irecv (one NCCL group: its operations progress together)
 
 
 @dataclass(eq=False)
@@ -208,6 +210,8 @@ class SimWorld:
         self.default = Group(0, list(range(world_size)), "nccl", device)
         self.rules: dict[int, DeviceRules] = {}
         self._lock = threading.Condition()
+        self._batch = threading.local()  # .id: the batch_isend_irecv a rank's thread is posting
+        self._batch_ids = itertools.count()
         self._local = threading.local()
         self._groups: list[Group] = []  # in creation order (every rank creates every group, in one order)
         self._created: dict[int, int] = defaultdict(int)  # per rank, groups created so far
@@ -383,7 +387,8 @@ class SimWorld:
                                     f"{signature}, another rank {slot.name} {slot.signature}")
             slot.entries[self.rank] = payload
             if len(slot.entries) == len(group.ranks):
-                slot.result = compute(slot.entries)
+                with _disable_current_modes():  # the last rank to arrive computes for all: as one opaque c10d op,
+                    slot.result = compute(slot.entries)  # unseen by its dispatch modes (selective checkpointing's)
                 slot.ready.set()
                 self._lock.notify_all()
         done = self._track(group, peers, name)
@@ -463,7 +468,8 @@ class SimWorld:
         group = group or self.default
         self._check_device(group, kind, tensor)
         self._check_crossing(group, {peer}, False, kind)
-        op = _Op(group, kind, peer, tuple(tensor.shape), tensor.dtype, _caller())
+        batch = getattr(self._batch, "id", None)
+        op = _Op(group, kind, peer, tuple(tensor.shape), tensor.dtype, _caller(), batch=batch)
         src, dst = (self.rank, peer) if kind == "send" else (peer, self.rank)
         box = (group.index, src, dst, tag if group.backend == "gloo" else 0)  # NCCL matches by order, gloo by tag
         with self._lock:
@@ -496,7 +502,11 @@ class SimWorld:
         return self._p2p("recv", tensor, src, group, tag)
 
     def batch_isend_irecv(self, ops: list[P2POp]) -> list[_Work]:
-        return [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
+        self._batch.id = next(self._batch_ids)
+        try:
+            return [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
+        finally:
+            self._batch.id = None
 
     # -- checks after a run ----------------------------------------------------------------------------------
     def p2p_order_problems(self) -> list[str]:
@@ -507,6 +517,19 @@ class SimWorld:
             for op in ops:
                 if op.group.backend == "nccl":
                     pairs[(op.group.index, rank, op.peer)].append(op)
+        for (_, rank, peer), ops in pairs.items():
+            # one batch_isend_irecv is one NCCL group: within it, the sends to a peer and the receives from it are
+            # matched per direction, in order, whichever is posted first (a ring hop posts a send and a receive on
+            # both ends). Put them in one canonical order: the lower rank's sends first, the higher rank's receives.
+            first = "send" if rank < peer else "recv"
+            starts: dict[int, int] = {}
+            keys = []
+            for i, op in enumerate(ops):
+                if op.batch is None:
+                    keys.append((i, 0))
+                else:
+                    keys.append((starts.setdefault(op.batch, i), int(op.kind != first)))
+            ops[:] = [op for _, op in sorted(zip(keys, ops, strict=True), key=lambda pair: pair[0])]
         for (group, a, b), ops_a in pairs.items():
             if a > b:
                 continue

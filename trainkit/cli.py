@@ -166,7 +166,8 @@ def _estimate(parser: ArgumentParser, cfg: Namespace, sub_parser: ArgumentParser
             memory = torch.cuda.get_device_properties(0).total_memory
         plan = estimate(model, batch, world_size=world, precision=args.precision, device_memory=memory,
                         activation_checkpointing=args.activation_checkpointing, device_type=device_type,
-                        devices_per_node=sub_cfg.devices_per_node or args.devices)
+                        devices_per_node=sub_cfg.devices_per_node or args.devices,
+                        activation_checkpointing_every=args.activation_checkpointing_every)
     except (ValueError, TypeError, RuntimeError) as err:
         sub_parser.error(str(err))
     print(plan.table())

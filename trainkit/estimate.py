@@ -80,7 +80,7 @@ class StrategyEstimate:
     device: int = 0  # model state on the device: parameters, gradients, master weights, optimizer state, buffers
     host: int = 0  # model state in host memory (offload)
     activations: int | None = 0  # saved for backward, one micro-batch (None: unknown, no batch to trace)
-    activations_checkpointed: int | None = 0  # the same under activation checkpointing
+    activations_checkpointed: int | None = 0  # the same under full activation checkpointing
     comm: int | None = 0  # payload per optimizer step, as the strategy's own step issued it (None: no batch)
     detail: dict[str, int] = field(default_factory=dict)  # device bytes by category
     note: str = ""  # the pipeline's stage split, or why the strategy does not apply
@@ -91,6 +91,7 @@ class StrategyEstimate:
     comm_by_axis: dict[str, int] = field(default_factory=dict)  # ``comm`` by the axis of the layout it ran along
     name: str = ""  # the registered strategy (``strategy`` is the row's label: a layout row's degrees)
     options: dict[str, Any] = field(default_factory=dict)  # its options (a layout row's degrees)
+    activations_selective: int | None = 0  # the same under selective activation checkpointing
 
     @property
     def registered(self) -> str:
@@ -103,11 +104,17 @@ class StrategyEstimate:
     def applies(self) -> bool:
         return not self.note.startswith("n/a")
 
-    def need(self, checkpointed: bool = False) -> int:
-        """Device bytes for training: model state plus one micro-batch's activations (checkpointed or not; none when
-        unknown), or the setup's peak when that is higher."""
-        activations = self.activations_checkpointed if checkpointed else self.activations
-        return max(self.setup, self.device + (activations or 0))
+    def activations_under(self, checkpointing: bool | str | None) -> int | None:
+        """One micro-batch's activations without checkpointing (False, None), under full checkpointing (True,
+        "full") or under selective checkpointing ("selective")."""
+        if checkpointing == "selective":
+            return self.activations_selective
+        return self.activations_checkpointed if checkpointing else self.activations
+
+    def need(self, checkpointed: bool | str | None = False) -> int:
+        """Device bytes for training: model state plus one micro-batch's activations (as ``activations_under``
+        says; none when unknown), or the setup's peak when that is higher."""
+        return max(self.setup, self.device + (self.activations_under(checkpointed) or 0))
 
     @property
     def peak(self) -> int:
@@ -134,16 +141,17 @@ class Estimate:
         lines = [f"{_count(self.parameters)} parameters, {self.world_size} rank(s), precision {self.precision}"
                  + (f", device memory {human(self.device_memory)}" if self.device_memory else ""),
                  f"{'strategy':<14}{'device state':>14}{'host state':>12}{'(pinned)':>11}{'activations':>13}"
-                 f"{'(ckpt)':>11}{'setup peak':>12}{'comm/step':>12}  fits  note"]
+                 f"{'(sel)':>11}{'(ckpt)':>11}{'setup peak':>12}{'comm/step':>12}  fits  note"]
         for r in self.rows:
             fits = {True: "yes", False: "no", None: "-"}[self.fits(r)]
             if not r.applies:
-                lines.append(f"{r.strategy:<14}{'':>95}  {'-':<4}  {r.note}")
+                lines.append(f"{r.strategy:<14}{'':>106}  {'-':<4}  {r.note}")
                 continue
             axes = ", ".join(f"{axis} {human(n)}" for axis, n in r.comm_by_axis.items() if n)
             note = "; ".join(x for x in (r.note, f"comm {axes}" if r.options and axes else "") if x)
             lines.append(f"{r.strategy:<14}{human(r.device):>14}{human(r.host):>12}{human(r.pinned):>11}"
-                         f"{_maybe(r.activations):>13}{_maybe(r.activations_checkpointed):>11}{human(r.setup):>12}"
+                         f"{_maybe(r.activations):>13}{_maybe(r.activations_selective):>11}"
+                         f"{_maybe(r.activations_checkpointed):>11}{human(r.setup):>12}"
                          f"{_maybe(r.comm):>12}  {fits:<4}  {note}")
         if any(r.applies and r.activations is None for r in self.rows):
             lines.append("activations and comm/step are unknown without a batch to trace: pass --data (a DataModule)"
@@ -172,15 +180,16 @@ def _optimizer(module: nn.Module) -> Optimizer:
 
 
 def _activations(module: nn.Module, batch: Any, precision: Precision, device_type: str,
-                 policy: Sequence[type[nn.Module]] | Callable[[nn.Module], bool] | None,
+                 policy: Sequence[type[nn.Module]] | Callable[[nn.Module], bool] | str | None,
                  dtypes: dict[str, torch.dtype] | None = None,
-                 rewrite: Callable[[nn.Module], nn.Module] = lambda m: m) -> tuple[int, int]:
-    """Bytes saved for backward by one ``training_step`` on ``batch``, plain and checkpointed, traced with fake
-    tensors on ``device_type`` (so autocast applies as it will; no memory is used), with each parameter in the
-    dtype ``dtypes`` gives it (what a strategy computes with: under bf16-mixed ddp keeps fp32 parameters, whose
-    bf16 copies autocast saves for backward, where the ZeRO stages and FSDP compute with bf16 working parameters
-    and save nothing extra), and the batch as the precision feeds it (bf16 under "bf16-true"). ``rewrite`` turns the
-    meta copy into what one rank computes (a strategy's ``activation_model``)."""
+                 rewrite: Callable[[nn.Module], nn.Module] = lambda m: m, every: int = 1) -> tuple[int, int, int]:
+    """Bytes saved for backward by one ``training_step`` on ``batch``: plain, under full checkpointing and under
+    selective checkpointing (of the modules ``policy`` selects, the repeated blocks by default, one in ``every``),
+    traced with fake tensors on ``device_type`` (so autocast applies as it will; no memory is used), with each parameter
+    in the dtype ``dtypes`` gives it (what a strategy computes with: under bf16-mixed ddp keeps fp32 parameters, whose
+    bf16 copies autocast saves for backward, where the ZeRO stages and FSDP compute with bf16 working parameters and
+    save nothing extra), and the batch as the precision feeds it (bf16 under "bf16-true"). ``rewrite`` turns the meta
+    copy into what one rank computes (a strategy's ``activation_model``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     def trace(model: nn.Module) -> int:
@@ -198,15 +207,22 @@ def _activations(module: nn.Module, batch: Any, precision: Precision, device_typ
         return meter.bytes if loss is not None else 0
 
     plain = trace(rewrite(meta_copy(module)))
-    checkpointed = rewrite(meta_copy(module))
-    if policy is None:
-        repeated = set(repeated_layers(checkpointed))
-        policy = lambda m: m in repeated  # the blocks FSDP would wrap
-    try:
-        apply_activation_checkpointing(checkpointed, policy)
-    except ValueError:
-        return plain, plain  # nothing to checkpoint
-    return plain, trace(checkpointed)
+    if isinstance(policy, str):
+        policy = None  # "full" and "selective" name the repeated blocks; both columns are traced
+    traced = []
+    for mode in ("full", "selective"):
+        checkpointed = rewrite(meta_copy(module))
+        if policy is None:
+            repeated = {id(m) for m in repeated_layers(checkpointed)}
+            selects = lambda m, ids=repeated: id(m) in ids  # the blocks FSDP would wrap
+        else:
+            selects = policy
+        try:
+            apply_activation_checkpointing(checkpointed, selects, mode=mode, every=every)
+        except ValueError:
+            return plain, plain, plain  # nothing to checkpoint
+        traced.append(trace(checkpointed))
+    return plain, traced[0], traced[1]
 
 
 def _setup(strategy: Strategy, module: nn.Module, precision: Precision, world_size: int, rank: int, batch: Any,
@@ -289,9 +305,9 @@ def _crossing(strategy: Any, module: nn.Module, batch: Any, precision: Precision
 
 def estimate(module: nn.Module, batch: Any, world_size: int = 1, precision: str = "32",
              strategies: Sequence[str] = STRATEGIES, device_memory: str | int | None = None,
-             activation_checkpointing: Sequence[type[nn.Module]] | Callable[[nn.Module], bool] | None = None,
+             activation_checkpointing: Sequence[type[nn.Module]] | Callable[[nn.Module], bool] | str | None = None,
              device_type: str = "cpu", layouts: Sequence[Mapping[str, int]] | None = None,
-             devices_per_node: int | None = None) -> Estimate:
+             devices_per_node: int | None = None, activation_checkpointing_every: int = 1) -> Estimate:
     """Plan ``module`` (built on the meta device: ``with torch.device("meta"): module = MyModule()``; a real
     module is copied there) on ``world_size`` ranks, one row per strategy and per layout.
 
@@ -300,19 +316,22 @@ def estimate(module: nn.Module, batch: Any, world_size: int = 1, precision: str 
             model-state columns only (activations and the step's bytes depend on the data).
         precision: the Trainer's precision.
         device_memory: bytes per device ("80GB") to say which plans fit (with 10% headroom).
-        activation_checkpointing: the policy for the checkpointed column (default: the repeated blocks).
+        activation_checkpointing: the modules of the checkpointed columns, "(sel)" (selective recomputation) and
+            "(ckpt)" (full): module classes or a ``module -> bool`` policy; default (or "full", "selective"): the
+            repeated blocks.
         device_type: "cpu" or "cuda": the device the run will train on (a GPU's host memory is apart from its own:
             offload's page-locked copies and device scratch); activations are traced with its autocast when it is
             available here, else on the CPU.
         layouts: degrees of ``strategy="parallel"`` to plan (``{"tp": 2, "pp": 2}``; ``dp_shard`` takes the rest);
             default: those ``mesh_layouts`` finds for the module; ``[]``: none.
         devices_per_node: ranks per node (default: the world): a tensor-parallel group stays within one.
+        activation_checkpointing_every: checkpoint one selected module in this many (the Trainer's option).
     """
     module = meta_copy(module)
     module.configure_model()
     policy = Precision.from_name(precision)
     trace_on = device_type if device_type == "cpu" or torch.cuda.is_available() else "cpu"
-    traced: dict[tuple, tuple[int, int]] = {}  # per set of parameter dtypes a strategy computes with
+    traced: dict[tuple, tuple[int, int, int]] = {}  # per set of parameter dtypes a strategy computes with
     optimizer = _optimizer(meta_copy(module))
     if layouts is None:
         layouts = mesh_layouts(module, world_size, devices_per_node)
@@ -331,20 +350,21 @@ def estimate(module: nn.Module, batch: Any, world_size: int = 1, precision: str 
         except ValueError as err:  # a layout the model does not divide into (heads, layers), say
             rows.append(StrategyEstimate(label, note=f"n/a: {err}", name=name, options=options))
             continue
-        plain = checkpointed = None
+        plain = checkpointed = selective = None
         if batch is not None:
             dtypes = {n: p.dtype for n, p in strategy.module.named_parameters()}
             rewritten = type(strategy).activation_model is not Strategy.activation_model
             key = (tuple(sorted((n, str(d)) for n, d in dtypes.items())), label if rewritten else "")
             if key not in traced:
                 rewrite = lambda m, s=strategy: s.activation_model(m, torch.device(trace_on))
-                traced[key] = _activations(module, batch, policy, trace_on, activation_checkpointing, dtypes, rewrite)
-            plain, checkpointed = traced[key]
+                traced[key] = _activations(module, batch, policy, trace_on, activation_checkpointing, dtypes, rewrite,
+                                           activation_checkpointing_every)
+            plain, checkpointed, selective = traced[key]
         report = strategy.memory_report()
         rows.append(StrategyEstimate(label, report.device_total, report.host_total, plain, checkpointed,
                                      sum(moved["kind"].values()) if batch is not None else None, dict(report.device),
                                      strategy.describe(), setup_peak, report.pinned, moved["kind"], strategy.rank,
-                                     moved["axis"] if batch is not None else {}, name, options))
+                                     moved["axis"] if batch is not None else {}, name, options, selective))
     params = sum(p.numel() for p in module.parameters())
     memory = parse_bytes(device_memory) if device_memory is not None else None
     return Estimate(params, world_size, policy.name, rows, memory)
@@ -411,10 +431,11 @@ def first_batch(loader: Any) -> Any:
     return next(iter(loader))
 
 
-def choose(plan: Estimate, checkpointing: bool) -> StrategyEstimate:
+def choose(plan: Estimate, checkpointing: bool | str | None) -> StrategyEstimate:
     """What ``strategy="auto"`` takes: the first of ``AUTO_ORDER`` (fastest first), then of the layout rows (tensor
     parallelism, then pipelines), whose model state and one micro-batch's activations fit the device memory with
-    headroom; raises, naming the smallest plan, if none does."""
+    headroom (activations as ``checkpointing`` says: False, "full" or "selective"); raises, naming the smallest
+    plan, if none does."""
     assert plan.device_memory is not None
     limit = HEADROOM * plan.device_memory
 
@@ -424,7 +445,7 @@ def choose(plan: Estimate, checkpointing: bool) -> StrategyEstimate:
         if row.need(checkpointing) <= limit:
             return row
     smallest = min(rows, key=lambda row: row.need(checkpointing))
-    activations = smallest.activations_checkpointed if checkpointing else smallest.activations
+    activations = smallest.activations_under(checkpointing)
     raise ValueError(
         f"No strategy fits in {human(plan.device_memory)} per device ({int(HEADROOM * 100)}% usable): the smallest "
         f"plan is {smallest.describe_choice()} with {human(smallest.need(checkpointing))} per rank (model state "

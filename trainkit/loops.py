@@ -143,6 +143,7 @@ class EvalLoop:
         multi = len(loaders) > 1
         with torch.no_grad(), self.strategy.forward_context():
             for dl_idx, batch_idx, batch in self._batches(loaders, limit):
+                batch = self.strategy.local_batch(batch)  # under context parallelism: this rank's tokens
                 results.batch = batch
                 out = self._evaluate(module, fn, batch, batch_idx, dl_idx if multi else None)
                 for hook in batch_end:
@@ -185,7 +186,7 @@ class EvalLoop:
         batch_end = self.hooks.fns("on_predict_batch_end")
         with torch.no_grad(), self.strategy.forward_context():
             for _, batch_idx, batch in self._batches(loaders, limit):
-                out = module.predict_step(batch, batch_idx)
+                out = module.predict_step(self.strategy.local_batch(batch), batch_idx)
                 for hook in batch_end:
                     hook(out, batch, batch_idx)
                 outputs.append(out)

@@ -107,6 +107,7 @@ class OptimizerStep:
 
     def _training_step(self, module: nn.Module, batch: Any, batch_idx: int) -> Any:
         strategy = self.strategy
+        batch = strategy.local_batch(batch)  # under context parallelism: this rank's chunks of every sequence
         with strategy.forward_context():
             outputs = module.training_step(batch, batch_idx)
         loss, n = unpack_output(outputs)
@@ -182,8 +183,8 @@ class OptimizerStep:
         if isinstance(count, Tensor) or (strategy.world_size > 1 and (self._item_weighted or not self.equal_batches)):
             total = strategy.reduce(_on_device(count, strategy.device), "sum")
             scale: Any = (self.items_norm / total.clamp(min=1)).float()
-        else:  # one rank, or as many samples on every data-parallel rank
-            scale = self.items_norm / max(float(count) * strategy.dp_size, 1.0)
+        else:  # one rank, or as many samples on every rank that counts items
+            scale = self.items_norm / max(float(count) * strategy.item_ranks, 1.0)
         if self.scaler is not None:
             scale = scale / self.scaler.scale
         strategy.reduce_gradients(scale)

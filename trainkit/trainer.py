@@ -6,7 +6,7 @@ import sys
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from trainkit import checkpoint as ckpt
 from trainkit import launcher, resume
-from trainkit.activation import apply_activation_checkpointing
+from trainkit.activation import apply_activation_checkpointing, resolve_mode
 from trainkit.async_checkpoint import AsyncSaver
 from trainkit.callbacks.base import Callback
 from trainkit.callbacks.checkpointing import ModelCheckpoint
@@ -76,8 +76,11 @@ class Trainer(TrainerProperties):
         accumulate_grad_batches: micro-batches per optimizer step.
         gradient_clip_val: clip gradients at this value (None: no clipping).
         gradient_clip_algorithm: "norm" (global norm across all shards) or "value".
-        activation_checkpointing: module classes (or a ``module -> bool`` policy) whose forward is
-            recomputed in backward instead of storing activations.
+        activation_checkpointing: recompute activations in backward instead of storing them: ``"full"`` (the
+            model's repeated blocks, whole forward again), ``"selective"`` (the repeated blocks, keeping matmul and
+            attention outputs and recomputing the cheap rest: norms, activation functions, softmax), or module
+            classes (or a ``module -> bool`` policy) recomputed in full.
+        activation_checkpointing_every: checkpoint one selected module in this many (1: all of them).
         deterministic: use deterministic algorithms only.
         seed: seed python, numpy and torch at the start of each run (also the sampler seed).
         callbacks: extra callbacks.
@@ -125,7 +128,9 @@ class Trainer(TrainerProperties):
         accumulate_grad_batches: int = 1,
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str = "norm",
-        activation_checkpointing: list[type[nn.Module]] | Callable[[nn.Module], bool] | None = None,
+        activation_checkpointing: Literal["full", "selective"] | list[type[nn.Module]] | Callable[[nn.Module], bool]
+        | None = None,
+        activation_checkpointing_every: int = 1,
         deterministic: bool = False,
         seed: int | None = None,
         callbacks: list[Callback] | None = None,
@@ -194,6 +199,12 @@ class Trainer(TrainerProperties):
         self.accumulate_grad_batches = accumulate_grad_batches
         self.gradient_clip_val, self.gradient_clip_algorithm = gradient_clip_val, gradient_clip_algorithm
         self.activation_checkpointing = activation_checkpointing
+        self.activation_checkpointing_every = activation_checkpointing_every
+        if activation_checkpointing is not None:
+            resolve_mode(activation_checkpointing)  # an unknown mode fails here, before any process starts
+        if not isinstance(activation_checkpointing_every, int) or activation_checkpointing_every < 1:
+            raise ValueError(f"activation_checkpointing_every={activation_checkpointing_every!r} must be a positive "
+                             "integer (1: every selected module).")
         self.enable_model_summary = enable_model_summary and not self.fast_dev_run
         self.use_distributed_sampler = use_distributed_sampler
         self.deterministic, self.seed = deterministic, seed
@@ -431,7 +442,8 @@ class Trainer(TrainerProperties):
             with init:
                 module.configure_model()
             if self.activation_checkpointing:
-                apply_activation_checkpointing(module, self.activation_checkpointing)
+                apply_activation_checkpointing(module, self.activation_checkpointing,
+                                               every=self.activation_checkpointing_every)
         optimizer = None
         if fn == "fit":
             if self.enable_model_summary and self.is_global_zero:
@@ -452,12 +464,13 @@ class Trainer(TrainerProperties):
             model.configure_model()
         memory = self.device_memory or device_memory_of(self.strategy.device)
         try:
-            batch, checkpointing = first_batch(self.data.train_dataloader), bool(self.activation_checkpointing)
+            batch = first_batch(self.data.train_dataloader)
+            checkpointing = resolve_mode(self.activation_checkpointing) if self.activation_checkpointing else None
 
             def plan_with(layouts: list) -> Any:
                 return estimate(model, batch, self.world_size, self.precision.name, AUTO_ORDER, memory,
                                 self.activation_checkpointing, self.strategy.device.type, layouts,
-                                self.env.local_world_size or None)
+                                self.env.local_world_size or None, self.activation_checkpointing_every)
 
             plan = plan_with([])
             try:

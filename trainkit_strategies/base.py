@@ -90,6 +90,18 @@ class Strategy(ABC):
         return self.world_size
 
     @property
+    def item_ranks(self) -> int:
+        """Ranks whose micro-batches hold different items (the data-parallel ones; with context parallelism also
+        the ranks holding other chunks of the same sequences): a plain loss's sample total is this many times a
+        rank's when every rank's batches are as large."""
+        return self.dp_size
+
+    def local_batch(self, batch: Any) -> Any:
+        """What of ``batch`` this rank computes on (the whole batch; under context parallelism its slice of every
+        sequence). The loops call it before ``training_step``, ``validation_step`` and ``test_step``."""
+        return batch
+
+    @property
     def counts_items(self) -> bool:
         """Whether this rank's samples count towards the global total (tensor-parallel ranks see the same samples
         as another rank of their group, which alone counts them)."""

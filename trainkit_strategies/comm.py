@@ -397,6 +397,23 @@ class Comm:
                 t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
+    def shift(self, send: Tensor, recv: Tensor, ring: list[int] | None = None) -> Handle:
+        """One hop of a ring, asynchronously: ``send`` goes to the next rank of the ring and ``recv`` receives the
+        previous rank's (the send and the receive posted together, as one batch, as NCCL needs). ``ring``: group
+        ranks in ring order, this one among them (default: the whole group), so a ring over some of the group's
+        ranks shares its communicator (and its order) with the group's collectives. Counted as a send of ``send``."""
+        members = list(range(self.world_size)) if ring is None else ring
+        if len(members) == 1:
+            recv.copy_(send)
+            return _DONE
+        self._count("send", send)
+        self._tag += 1
+        at = members.index(self.rank)
+        ahead, behind = self.ranks[members[(at + 1) % len(members)]], self.ranks[members[(at - 1) % len(members)]]
+        ops = [dist.P2POp(dist.isend, send, ahead, self.group, self._tag),
+               dist.P2POp(dist.irecv, recv, behind, self.group, self._tag)]
+        return Handle(self._guard(dist.batch_isend_irecv, ops), self)
+
     def send(self, tensor: Tensor, dst: int, tag: int = 0) -> Handle:
         """Asynchronous point-to-point send to group rank ``dst`` (``tag``: matched by gloo; NCCL matches by order)."""
         self._count("send", tensor)
@@ -459,6 +476,11 @@ class PlanComm(Comm):
             else PlanComm(1, 0, device, self.timeout_s)
 
     def _run(self, fn: Any, *args: Any, async_op: bool = False, **kwargs: Any) -> Handle:
+        return _DONE
+
+    def shift(self, send: Tensor, recv: Tensor, ring: list[int] | None = None) -> Handle:
+        if (self.world_size if ring is None else len(ring)) > 1:
+            self._count("send", send)
         return _DONE
 
     def send(self, tensor: Tensor, dst: int, tag: int = 0) -> Handle:

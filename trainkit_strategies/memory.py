@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -108,23 +109,40 @@ def _storage_key(t: Tensor) -> object:
     return ("virtual", storage._cdata) if t.device.type == "meta" or is_fake(t) else storage.data_ptr()
 
 
+def _storage_id(t: Tensor) -> int:
+    """The storage object itself (its address in memory): the same across a resize, so parameters that are views
+    of a buffer gathered and freed again (FSDP units) stay excluded after it is gathered anew. Every storage counted
+    or excluded is alive while a meter runs, so no two share this."""
+    return t.untyped_storage()._cdata
+
+
 class ActivationMeter:
     """Counts the bytes autograd saves for backward inside the context, each storage once.
 
     Uses ``torch.autograd.graph.saved_tensors_hooks``, so the count is deterministic and device
     independent (meta and fake tensors count their size: an estimate traces a step without memory). Under
     non-reentrant activation checkpointing the inner region's tensors are not
-    saved (the checkpoint saves its inputs instead, which this meter does see). Pass the model's
+    saved (the checkpoint saves its inputs instead, which this meter does see); under selective checkpointing
+    the outputs it keeps are counted too (``note_saved``). Pass the model's
     parameters as ``exclude`` to count activations only (weights saved by matmuls are not extra memory).
     """
 
+    _local = threading.local()  # .meters: those entered on this thread (ranks simulated as threads count apart)
+
     def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
         self.bytes = 0
-        self._seen: set[object] = {_storage_key(t) for t in exclude}
+        self._seen: set[object] = {_storage_id(t) for t in exclude}
         self._hooks: Any = None
 
+    @classmethod
+    def note_saved(cls, tensor: Tensor) -> None:
+        """Count ``tensor`` as saved for backward in every active meter: for what is kept outside autograd's
+        saved-tensor hooks (selective checkpointing's stored outputs)."""
+        for meter in getattr(cls._local, "meters", ()):
+            meter._pack(tensor)
+
     def _pack(self, tensor: Tensor) -> Tensor:
-        key = _storage_key(tensor)
+        key = _storage_id(tensor)
         if key not in self._seen:
             self._seen.add(key)
             self.bytes += tensor.untyped_storage().nbytes()
@@ -133,7 +151,11 @@ class ActivationMeter:
     def __enter__(self) -> ActivationMeter:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._hooks.__enter__()
+        if not hasattr(ActivationMeter._local, "meters"):
+            ActivationMeter._local.meters = []
+        ActivationMeter._local.meters.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        ActivationMeter._local.meters.remove(self)
         self._hooks.__exit__(*exc)

@@ -19,17 +19,20 @@ strided piece, so they resume under any strategy and layout.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Collection
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
 from trainkit_strategies.base import Strategy, check_optimizer
 from trainkit_strategies.comm import Comm, PlanComm
+from trainkit_strategies.context.ring import METHODS, ContextParallel, context_parallel, shard_sequence
 from trainkit_strategies.environment import Environment
 from trainkit_strategies.layout import Layout, Mesh
 from trainkit_strategies.precision import DTYPE_NAMES, Precision
@@ -37,7 +40,7 @@ from trainkit_strategies.registry import get_strategy
 from trainkit_strategies.tensor.plan import Applied, apply_plan
 from trainkit_strategies.wrapper import Wrapper
 
-AXES_USED = [("tp",), ("dp_shard",), ("dp_replicate",), ("dp_replicate", "dp_shard")]
+AXES_USED = [("tp",), ("dp_shard", "cp"), ("dp_replicate",), ("dp_replicate", "dp_shard", "cp")]
 
 
 class ParallelStrategy(Wrapper):
@@ -51,6 +54,13 @@ class ParallelStrategy(Wrapper):
             Default: what the world leaves (world / (tp x pp x dp_replicate)).
         dp_replicate: replicas; with ``dp_shard`` > 1 this is HSDP, alone it is ddp.
         pp: pipeline stages (the module must define ``pipeline_layers()`` and ``pipeline_loss()``).
+        cp: context parallelism: each rank of a ``cp`` group holds 2 of ``2 x cp`` chunks of every sequence (dimension
+            1 of every batch tensor of 2 or more dimensions) and attention runs across the group; the module's
+            attention must call ``trainkit.parallel.attention`` and its positions come from
+            ``trainkit.parallel.positions``. Parameters are sharded over ``dp_shard x cp`` (their gradients are
+            sums over the sequence's chunks).
+        cp_method: how keys and values reach the other ranks: "ring" (passed around, one block at a time,
+            overlapped with attention) or "all_gather" (gathered whole once per layer, as Llama 3 does).
         sequence_parallel: under tp, shard the regions between tensor-parallel layers along the sequence too (the
             activations of norms, dropouts and residuals divided by tp; the same bytes communicated).
         microbatches, schedule, virtual_stages, split: the pipeline's, as for ``strategy="pipeline"``.
@@ -73,12 +83,16 @@ class ParallelStrategy(Wrapper):
                  sequence_parallel: bool = True, microbatches: int = 4, schedule: str = "1f1b",
                  virtual_stages: int = 1, split: list[int] | None = None, reshard_after_forward: bool = True,
                  prefetch: bool = True, reduce_dtype: str | None = None, bucket_mb: float = 25.0,
-                 tp_across_nodes: bool = False) -> None:
+                 tp_across_nodes: bool = False, cp: int = 1, cp_method: str = "ring") -> None:
         super().__init__()
-        check_degrees(tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, pp=pp)
+        check_degrees(tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, pp=pp, cp=cp)
+        if cp_method not in METHODS:
+            raise ValueError(f"parallel cp_method must be one of {METHODS}; got {cp_method!r}.")
         if reduce_dtype is not None and reduce_dtype not in DTYPE_NAMES:
             raise ValueError(f"parallel reduce_dtype must be one of {sorted(DTYPE_NAMES)}; got {reduce_dtype!r}.")
         self.tp, self.dp_shard, self.dp_replicate, self.pp = tp, dp_shard, dp_replicate, pp
+        self.cp, self.cp_method = cp, cp_method
+        self._cp: ContextParallel | None = None
         self.sequence_parallel = sequence_parallel and tp > 1
         self.reshard_after_forward, self.prefetch, self.reduce_dtype = reshard_after_forward, prefetch, reduce_dtype
         self.bucket_mb, self.tp_across_nodes = bucket_mb, tp_across_nodes
@@ -94,7 +108,7 @@ class ParallelStrategy(Wrapper):
     def layout_for(self, world_size: int, ranks_per_node: int = 0) -> Layout:
         """The layout at ``world_size`` ranks (``dp_shard`` defaulting to what the others leave), checked."""
         return resolve_layout(world_size, ranks_per_node, self.tp_across_nodes, pp=self.pp, tp=self.tp,
-                              dp_replicate=self.dp_replicate, dp_shard=self.dp_shard)
+                              dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp)
 
     def setup_environment(self, env: Environment, comm: Comm | None = None) -> None:
         Strategy.setup_environment(self, env, comm)
@@ -102,9 +116,15 @@ class ParallelStrategy(Wrapper):
             self.mesh = Mesh(self.layout_for(env.world_size, env.local_world_size), self.comm, AXES_USED)
         self.layout, coords = self.mesh.layout, self.mesh.coords
         self.tp_comm = self.mesh.comm("tp")
-        self.dp_comm = self.mesh.comm(("dp_replicate", "dp_shard"))  # ranks reading different data
-        shard, replicate = self.mesh.comm("dp_shard"), self.mesh.comm("dp_replicate")
-        if self.layout.dp_shard > 1:
+        # ranks holding different tokens: counts and metrics are summed over them, gradients too (the sharding
+        # engine's group takes in the context-parallel ranks: torchtitan's dp_shard x cp)
+        self.dp_comm = self.mesh.comm(("dp_replicate", "dp_shard", "cp"))
+        shard, replicate = self.mesh.comm(("dp_shard", "cp")), self.mesh.comm("dp_replicate")
+        # attention's traffic rides on the sharding engine's communicator, between the ranks of this cp group
+        peers = self.layout.group(self.mesh.world.rank, ("cp",))
+        ring = [shard.ranks.index(self.mesh.world.ranks[p]) for p in peers] if self.layout.cp > 1 else None
+        self._cp = ContextParallel(shard, self.cp_method, ring) if ring is not None else None
+        if self.layout.dp_shard * self.layout.cp > 1:
             self.inner = get_strategy("fsdp", reshard_after_forward=self.reshard_after_forward, prefetch=self.prefetch,
                                       reduce_dtype=self.reduce_dtype)
             self.inner.replicate = replicate  # type: ignore[attr-defined]  # HSDP: shards all-reduced across replicas
@@ -119,12 +139,40 @@ class ParallelStrategy(Wrapper):
 
     @property
     def dp_rank(self) -> int:
+        """The rank's batch: the context- and tensor-parallel ranks of one data-parallel coordinate read the same."""
         assert self.mesh is not None
         return self.mesh.coords["dp_replicate"] * self.layout.dp_shard + self.mesh.coords["dp_shard"]
 
     @property
     def dp_size(self) -> int:
         return self.layout.dp
+
+    @property
+    def item_ranks(self) -> int:
+        """Ranks whose items count apart: the data-parallel ones and, each with its own tokens, the context-parallel
+        ones."""
+        return self.layout.dp * self.layout.cp
+
+    def local_batch(self, batch: Any) -> Any:
+        """Under context parallelism this rank's two chunks of every sequence (dimension 1 of every tensor of two
+        or more dimensions); the batch as it is otherwise."""
+        if self._cp is None:
+            return batch
+        cp = self._cp
+        return apply_to_collection(batch, Tensor, lambda t: shard_sequence(t, cp.rank, cp.size) if t.dim() >= 2
+                                   else t)
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        if self._cp is None:
+            return self.inner.forward_context()
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.inner.forward_context())
+        stack.enter_context(context_parallel(self._cp))
+        return stack
+
+    def backward(self, loss: Tensor, gradient: Tensor | None = None) -> None:
+        with context_parallel(self._cp):  # recomputed blocks (activation checkpointing) attend across the group
+            self.inner.backward(loss, gradient)
 
     @property
     def counts_items(self) -> bool:
@@ -212,7 +260,7 @@ class ParallelStrategy(Wrapper):
 
     def comms_by_axis(self) -> dict[str, list[Comm]]:
         assert self.mesh is not None
-        axes = {"tp": [self.tp_comm], "dp_shard": [self.mesh.comm("dp_shard")],
+        axes = {"tp": [self.tp_comm], "dp_shard": [self.mesh.comm(("dp_shard", "cp"))],
                 "dp_replicate": [self.mesh.comm("dp_replicate")]}
         listed = {id(c) for comms in axes.values() for c in comms}
         axes["dp"] = [self.dp_comm, *(c for c in self.inner.comms() if id(c) not in listed)]
@@ -299,15 +347,15 @@ def check_degrees(**degrees: int | None) -> None:
 
 
 def resolve_layout(world_size: int, ranks_per_node: int, tp_across_nodes: bool, pp: int, tp: int, dp_replicate: int,
-                   dp_shard: int | None) -> Layout:
+                   dp_shard: int | None, cp: int = 1) -> Layout:
     """The layout of these degrees at ``world_size`` (``dp_shard`` None: what the others leave), checked."""
     if dp_shard is None:
-        rest = pp * tp * dp_replicate
+        rest = pp * tp * dp_replicate * cp
         if world_size % rest:
-            raise ValueError(f"parallel: pp={pp} x tp={tp} x dp_replicate={dp_replicate} = {rest} does not divide "
-                             f"the {world_size} ranks; choose degrees whose product divides the world (dp_shard "
-                             "takes what is left).")
+            raise ValueError(f"parallel: pp={pp} x tp={tp} x cp={cp} x dp_replicate={dp_replicate} = {rest} does not "
+                             f"divide the {world_size} ranks; choose degrees whose product divides the world "
+                             "(dp_shard takes what is left).")
         dp_shard = world_size // rest
-    layout = Layout(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
+    layout = Layout(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)
     layout.check(world_size, ranks_per_node or None, tp_across_nodes)
     return layout

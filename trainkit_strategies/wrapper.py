@@ -35,6 +35,13 @@ class Wrapper(Strategy):
         return self.inner.dp_size
 
     @property
+    def item_ranks(self) -> int:
+        return self.inner.item_ranks
+
+    def local_batch(self, batch: Any) -> Any:
+        return self.inner.local_batch(batch)
+
+    @property
     def counts_items(self) -> bool:
         return self.inner.counts_items
 

@@ -69,3 +69,21 @@ def test_tensor_parallel_smoke():
         if line.startswith("loss trainkit"):
             worst = float(line.rsplit(", ", 1)[1].split()[0])
             assert worst <= 1e-5, line
+
+
+def test_activation_checkpointing_smoke():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "activation_checkpointing.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "selective's extra time / full's" in proc.stdout
+    assert "losses equal across variants: True" in proc.stdout  # recomputation changes no number
+
+
+def test_context_parallel_smoke():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "context_parallel.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "x single (target <= 0.75)" in proc.stdout
+    work = next(line for line in proc.stdout.splitlines() if line.startswith("attention work per rank"))
+    first, second = work.split(": ")[1].strip("[]").split(", ")
+    assert first == second  # causal load balancing: both ranks compute as many chunk pairs

@@ -31,3 +31,22 @@ def test_a_tp2_dp_shard2_checkpoint_resumes_mid_epoch_under_another_layout(unint
     assert_close_tensors(tensors(tmp_path / "checkpoints" / "epoch=1-step=20"),
                          tensors(uninterrupted / "checkpoints" / "epoch=1-step=20"))
     assert abs(scalars(tmp_path, "val_loss")[20] - scalars(uninterrupted, "val_loss")[20]) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_cp(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cp2")
+    fit(root, "parallel", devices=2, max_steps=20, batch=GLOBAL_BATCH, sequences=SEQUENCES,
+        extra=("--trainer.strategy.cp", "2"))
+    return root
+
+
+def test_a_cp2_checkpoint_resumes_mid_epoch_under_one_process(uninterrupted_cp, tmp_path):
+    """Context parallelism from the CLI: the two ranks hold halves of every sequence; the checkpoint is a whole
+    model's, and one process resuming it ends where the uninterrupted run does, validation loss included (the
+    demo weights its validation loss by the positions each rank holds, so it is the whole sequence's)."""
+    fit(tmp_path, "single", devices=1, max_steps=20, batch=GLOBAL_BATCH, sequences=SEQUENCES,
+        extra=("--ckpt_path", str(uninterrupted_cp / "checkpoints" / "epoch=0-step=10")))
+    assert_close_tensors(tensors(tmp_path / "checkpoints" / "epoch=1-step=20"),
+                         tensors(uninterrupted_cp / "checkpoints" / "epoch=1-step=20"))
+    assert abs(scalars(tmp_path, "val_loss")[20] - scalars(uninterrupted_cp, "val_loss")[20]) < 1e-5

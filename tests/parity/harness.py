@@ -75,17 +75,18 @@ class Case:
     model: str = "regression"
     record_comm: bool = False
     validate: bool = False  # validate every 5 steps on 13 samples (uneven across ranks): val_* metrics
-    checkpointing: bool = False  # activation checkpointing on the GPT's blocks
+    checkpointing: bool | str = False  # activation checkpointing on the GPT's blocks (True: full) or a mode by name
     init_scale: float | None = None  # "16-mixed": start the loss scale here (low enough that nothing overflows)
     onebit: dict[str, Any] | None = None  # train with trainkit.optim.OneBitAdam(**onebit) instead of AdamW
     samples_per_replica: int | None = None  # the data's size per replica (default: full windows of ``steps``)
 
     def replicas(self, world_size: int) -> int:
-        """Data-parallel replicas: the ranks of one pipeline, and of one tensor-parallel group, read the same data."""
+        """Data-parallel replicas: the ranks of one pipeline, of one tensor-parallel and of one context-parallel group
+        read the same data."""
         if self.strategy == "pipeline":
             return world_size // self.options.get("stages", world_size)
         if self.strategy == "parallel":
-            return world_size // (self.options.get("tp", 1) * self.options.get("pp", 1))
+            return world_size // (self.options.get("tp", 1) * self.options.get("pp", 1) * self.options.get("cp", 1))
         return world_size
 
     def tolerance(self) -> dict[str, float]:
@@ -190,7 +191,8 @@ def run_case(case: Case, world_size: int, per_rank_batch: int, accelerator: str)
                 else regression_data(13, seed=5))
     val = DataLoader(val_data, batch_size=per_rank_batch) if case.validate else None
     trainer = Trainer(
-        accelerator=accelerator, activation_checkpointing=[Block] if case.checkpointing else None,
+        accelerator=accelerator,
+        activation_checkpointing=[Block] if case.checkpointing is True else case.checkpointing or None,
         val_check_interval=5 if case.validate else None,
         strategy=strategy, precision=case.precision, accumulate_grad_batches=case.accumulate,
         gradient_clip_val=case.clip, max_steps=case.steps, seed=0, logger=False, enable_progress_bar=False,

@@ -1,7 +1,8 @@
 """strategy="parallel" against one process on the global batch, fp32 within 1e-5, with accumulation and clipping, on
 the demo GPT (tied embedding and head, fused q/k/v, learned positions) and examples/llama.py (RMSNorm, rotary,
 SwiGLU, grouped-query attention): tensor parallelism with and without sequence parallelism, with FSDP units inside
-it, HSDP, and pipelines of tensor-parallel stages, up to 8 ranks."""
+it, HSDP, pipelines of tensor-parallel stages, up to 8 ranks, and context parallelism (ring and all-gather attention)
+alone, with FSDP units and with tensor parallelism."""
 
 from __future__ import annotations
 
@@ -14,15 +15,23 @@ MODELS = ("gpt", "llama")
 
 def _cases(world: int) -> list[Case]:
     layouts = {
-        2: {"tp2": {"tp": 2}, "tp2-no-sp": {"tp": 2, "sequence_parallel": False}},
+        2: {"tp2": {"tp": 2}, "tp2-no-sp": {"tp": 2, "sequence_parallel": False}, "cp2": {"cp": 2},
+            "cp2-all-gather": {"cp": 2, "cp_method": "all_gather"}},
         4: {"tp2-dps2": {"tp": 2, "dp_shard": 2}, "hsdp2x2": {"dp_replicate": 2, "dp_shard": 2},
-            "pp2-tp2": {"pp": 2, "tp": 2}},
+            "pp2-tp2": {"pp": 2, "tp": 2}, "cp4": {"cp": 4}, "cp2-dps2": {"cp": 2, "dp_shard": 2},
+            "cp2-tp2": {"cp": 2, "tp": 2}},
         8: {"pp2-tp2-dps2": {"pp": 2, "tp": 2, "dp_shard": 2}},
     }[world]
     cases = [Case(f"{name}-{model}", "parallel", options, model=model, accumulate=2, clip=0.05)
              for name, options in layouts.items() for model in MODELS]
     if world == 2:  # evaluation: val_loss averaged over the data-parallel ranks only (tp ranks hold the same)
         cases.append(Case("tp2-validate-gpt", "parallel", {"tp": 2}, model="gpt", validate=True, per_rank_batch=8))
+        cases += [Case(f"tp2-selective-checkpointing-{model}", "parallel", {"tp": 2}, model=model, accumulate=2,
+                       clip=0.05, checkpointing="selective") for model in MODELS]  # the recompute re-gathers
+        cases += [Case("cp2-selective-checkpointing-gpt", "parallel", {"cp": 2}, model="gpt", accumulate=2,
+                       clip=0.05, checkpointing="selective"),  # the ring's output kept, never replayed
+                  Case("cp2-full-checkpointing-llama", "parallel", {"cp": 2}, model="llama", accumulate=2,
+                       clip=0.05, checkpointing="full")]  # the ring run again in backward
     return cases
 
 

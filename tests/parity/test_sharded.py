@@ -25,6 +25,7 @@ CASES = [
     Case("fsdp-no-sync-micro-steps", "fsdp", {"sync_micro_steps": False}, accumulate=4, clip=0.05),
     Case("zero3-persistent-small-params", "zero3", {"persistence_threshold": 16}, accumulate=2),
     Case("fsdp-bf16-true", "fsdp", {}, precision="bf16-true"),
+    Case("fsdp-gpt-selective-checkpointing-acc2", "fsdp", {}, model="gpt", checkpointing="selective", accumulate=2),
     Case("fsdp-deferred-init-acc2", "fsdp", {}, model="deferred", accumulate=2),
     Case("zero3-deferred-init-clip", "zero3", ZERO3, model="deferred", clip=0.5),
     Case("fsdp-comm", "fsdp", {}, steps=3, record_comm=True),

@@ -179,19 +179,21 @@ def test_pipeline_with_tied_weights_and_replicas_keeps_collectives_on_the_device
 
 PARALLEL_LAYOUTS = [(2, {"tp": 2}), (2, {"tp": 2, "sequence_parallel": False}), (4, {"tp": 2, "dp_shard": 2}),
                     (4, {"dp_replicate": 2, "dp_shard": 2}), (4, {"tp": 2, "dp_replicate": 2, "dp_shard": 1}),
-                    (4, {"pp": 2, "tp": 2}), (8, {"pp": 2, "tp": 2, "dp_shard": 2})]
+                    (4, {"pp": 2, "tp": 2}), (8, {"pp": 2, "tp": 2, "dp_shard": 2}), (2, {"cp": 2}),
+                    (4, {"cp": 2, "tp": 2}), (4, {"cp": 2, "dp_shard": 2, "cp_method": "all_gather"})]
 
 
 @pytest.mark.parametrize(("world_size", "options"), PARALLEL_LAYOUTS,
                          ids=["-".join(f"{k}{v}" for k, v in o.items()) for _, o in PARALLEL_LAYOUTS])
 def test_parallel_layouts_keep_collectives_on_the_device(world_size, options):
     """strategy="parallel" on the demo GPT (tied embedding and head, split by vocabulary): tensor- and
-    sequence-parallel collectives inside forward and backward, FSDP units, HSDP, pipeline stages, under every
+    sequence-parallel collectives inside forward and backward, context parallelism's ring and all-gather attention,
+    FSDP units, HSDP, pipeline stages, under every
     recipe; in layouts that shard nothing, the GPT is built in host memory once (the plan cuts host parameters,
     the strategy moves the parts)."""
     dp_shard = options.get("dp_shard", world_size // options.get("tp", 1) // options.get("pp", 1)
-                           // options.get("dp_replicate", 1))
-    starts = ("device", "host" if dp_shard == 1 else "device", "device")
+                           // options.get("dp_replicate", 1) // options.get("cp", 1)) * options.get("cp", 1)
+    starts = ("device", "host" if dp_shard == 1 else "device", "device")  # cp ranks shard parameters too
     for (precision, accumulate, clip, algorithm, _), start in zip(RECIPES, starts, strict=True):
         world = SimWorld(world_size)
         with swapping_parameters() if start == "host" else contextlib.nullcontext():

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from trainkit.module import TrainModule
 from trainkit.optim import OneBitAdam
-from trainkit.parallel import Colwise
+from trainkit.parallel import Colwise, attention, positions
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class CausalSelfAttention(nn.Module):
         qkv = self.qkv(x)  # shapes from here: under tensor parallelism a rank holds n_head / tp heads of the sequence
         b, t, _ = qkv.shape
         q, k, v = (z.view(b, t, self.n_head, self.head_dim).transpose(1, 2) for z in qkv.chunk(3, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)  # or across cp
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
 
 
@@ -106,7 +106,7 @@ class TinyGPT(nn.Module):
         t = idx.shape[1]
         if t > self.cfg.block_size:
             raise ValueError(f"Sequence of {t} tokens exceeds block_size {self.cfg.block_size}.")
-        pos = torch.arange(t, device=idx.device)
+        pos = positions(t, idx.device)  # 0..t-1, or under context parallelism this rank's tokens' positions
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
@@ -121,7 +121,7 @@ class _Embed(nn.Module):
         self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
 
     def forward(self, idx: Tensor) -> Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
+        pos = positions(idx.shape[1], idx.device)
         return self.drop(self.wte(idx) + self.wpe(pos))
 
 
@@ -183,18 +183,23 @@ class DemoGPT(TrainModule):
         self.log("train_loss", loss, prog_bar=True)
         return {"loss": loss, "num_items": y.numel()}
 
-    def _eval_metrics(self, logits: Tensor, targets: Tensor, prefix: str) -> dict[str, Tensor]:
-        # position i predicts token i+1 from tokens <= i: the order-2 context is complete from i >= 1
-        loss = F.cross_entropy(logits[:, 1:].flatten(0, 1).float(), targets[:, 1:].flatten())
+    def _eval_metrics(self, logits: Tensor, targets: Tensor, prefix: str) -> tuple[dict[str, Tensor], int]:
+        """The metrics and the number of positions they average over."""
+        # position i predicts token i+1 from tokens <= i: the order-2 context is complete from i >= 1 (the positions
+        # are the tokens' own: under context parallelism a rank holds two chunks of the sequence)
+        complete = positions(logits.shape[1]) >= 1
+        kept = complete.to(logits.device)
+        loss = F.cross_entropy(logits[:, kept].flatten(0, 1).float(), targets[:, kept].flatten())
         metrics = {f"{prefix}_loss": loss}
         if self.entropy_rate is not None:
             metrics[f"{prefix}_excess"] = loss - self.entropy_rate
-        return metrics
+        return metrics, int(complete.sum()) * logits.shape[0]
 
     def _eval_step(self, batch: tuple[Tensor, Tensor], prefix: str) -> None:
         x, y = batch
-        for name, value in self._eval_metrics(self(x), y, prefix).items():
-            self.log(name, value, prog_bar=True, sync_dist=True, batch_size=x.shape[0])
+        metrics, counted = self._eval_metrics(self(x), y, prefix)
+        for name, value in metrics.items():  # weighted by positions: exact across ranks holding parts of sequences
+            self.log(name, value, prog_bar=True, sync_dist=True, batch_size=counted)
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self._eval_step(batch, "val")
@@ -224,7 +229,7 @@ class DemoGPT(TrainModule):
         return {"loss": loss, "num_items": batch[1].numel()}
 
     def pipeline_validation_step(self, logits: Tensor, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict:
-        return self._eval_metrics(logits, batch[1], "test" if self.trainer.state == "test" else "val")
+        return self._eval_metrics(logits, batch[1], "test" if self.trainer.state == "test" else "val")[0]
 
     def configure_optimizers(self) -> dict:
         decay = [p for n, p in self.named_parameters() if p.dim() >= 2 and "wte" not in n and "wpe" not in n]

@@ -32,8 +32,11 @@ class PipelinedParallel(PipelineStrategy):
                  sequence_parallel: bool = True, microbatches: int = 4, schedule: str = "1f1b",
                  virtual_stages: int = 1, split: list[int] | None = None, reshard_after_forward: bool = True,
                  prefetch: bool = True, reduce_dtype: str | None = None, bucket_mb: float = 25.0,
-                 tp_across_nodes: bool = False) -> None:
-        check_degrees(tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, pp=pp)
+                 tp_across_nodes: bool = False, cp: int = 1, cp_method: str = "ring") -> None:
+        check_degrees(tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, pp=pp, cp=cp)
+        if cp > 1:
+            raise ValueError(f"parallel: cp={cp} with pp={pp} is not supported yet (context parallelism runs with "
+                             "tp, dp_shard and dp_replicate): use pp=1, or cp=1.")
         sharded = dp_shard is None or dp_shard > 1
         super().__init__(stages=pp, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
                          split=split, data_parallel="fsdp" if sharded else "ddp", bucket_mb=bucket_mb)
