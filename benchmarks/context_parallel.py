@@ -104,14 +104,14 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
 def memory_table(seq: int, layers: int = 12, width: int = 768, heads: int = 12, vocab: int = 50304) -> str:
     """Activations per rank (bytes autograd saves in one forward, ``ActivationMeter``) of a long-sequence demo GPT,
     traced with fake CPU tensors (the CPU's kernels, no memory used): context parallelism of 1 to 8 times no,
-    selective and full checkpointing. A rank's forward is traced as it runs: its two chunks of the sequence, attention across a
-    planning communicator that counts and moves nothing."""
+    selective and full checkpointing. A rank's forward is traced as it runs: its two chunks of the sequence,
+    attention across a planning communicator that counts and moves nothing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     from trainkit.activation import apply_activation_checkpointing
     from trainkit_strategies import ActivationMeter
     from trainkit_strategies.comm import PlanComm
     from trainkit_strategies.context.ring import ContextParallel, context_parallel, shard_sequence
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     rows = []
     for cp in (1, 2, 4, 8):

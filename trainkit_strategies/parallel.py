@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
@@ -162,13 +162,10 @@ class ParallelStrategy(Wrapper):
         return apply_to_collection(batch, Tensor, lambda t: shard_sequence(t, cp.rank, cp.size) if t.dim() >= 2
                                    else t)
 
-    def forward_context(self) -> contextlib.AbstractContextManager:
-        if self._cp is None:
-            return self.inner.forward_context()
-        stack = contextlib.ExitStack()
-        stack.enter_context(self.inner.forward_context())
-        stack.enter_context(context_parallel(self._cp))
-        return stack
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        with self.inner.forward_context(), context_parallel(self._cp):  # attention across the cp group, if any
+            yield
 
     def backward(self, loss: Tensor, gradient: Tensor | None = None) -> None:
         with context_parallel(self._cp):  # recomputed blocks (activation checkpointing) attend across the group

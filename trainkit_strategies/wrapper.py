@@ -34,10 +34,6 @@ class Wrapper(Strategy):
     def dp_size(self) -> int:
         return self.inner.dp_size
 
-    @property
-    def item_ranks(self) -> int:
-        return self.inner.item_ranks
-
     def local_batch(self, batch: Any) -> Any:
         return self.inner.local_batch(batch)
 

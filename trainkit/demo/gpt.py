@@ -187,13 +187,15 @@ class DemoGPT(TrainModule):
         """The metrics and the number of positions they average over."""
         # position i predicts token i+1 from tokens <= i: the order-2 context is complete from i >= 1 (the positions
         # are the tokens' own: under context parallelism a rank holds two chunks of the sequence)
-        complete = positions(logits.shape[1]) >= 1
-        kept = complete.to(logits.device)
-        loss = F.cross_entropy(logits[:, kept].flatten(0, 1).float(), targets[:, kept].flatten())
+        b, t = logits.shape[:2]
+        counted = int((positions(t) >= 1).sum()) * b  # on the host: no device value is read
+        complete = (positions(t, logits.device) >= 1).expand(b, t).flatten()  # a mask, not an index: no sync
+        losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+        loss = (losses * complete).sum() / counted
         metrics = {f"{prefix}_loss": loss}
         if self.entropy_rate is not None:
             metrics[f"{prefix}_excess"] = loss - self.entropy_rate
-        return metrics, int(complete.sum()) * logits.shape[0]
+        return metrics, counted
 
     def _eval_step(self, batch: tuple[Tensor, Tensor], prefix: str) -> None:
         x, y = batch

@@ -295,14 +295,18 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     grads = torch.zeros(k.numel() + v.numel(), dtype=torch.float32, device=k.device)  # travels with its block
     for step in range(size):
         owner = (rank - step) % size
+        handle: Handle | None = None
+        if step < size - 1:  # the block moves on while its gradients are computed; they follow it
+            incoming = torch.empty_like(block)
+            handle = cp.shift(block, incoming)
         kb, vb = _unpack(block, (k, v))
         dk, dv = _unpack(grads, (k, v))
         _grad_block(dout, q, kb, vb, out, lse, mine, chunk_order(owner, size), causal, scale, dq, dk, dv)
-        if step < size - 1:  # the block and its gradient so far move on together
-            incoming, incoming_grads = torch.empty_like(block), torch.empty_like(grads)
-            first, second = cp.shift(block, incoming), cp.shift(grads, incoming_grads)
-            first.wait()
-            second.wait()
+        if handle is not None:
+            incoming_grads = torch.empty_like(grads)
+            following = cp.shift(grads, incoming_grads)
+            handle.wait()
+            following.wait()
             block, grads = incoming, incoming_grads
         else:  # the gradient of the block held now belongs to the next rank: send it home
             home = torch.empty_like(grads)
