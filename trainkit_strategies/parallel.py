@@ -1,6 +1,6 @@
 """``strategy="parallel"``: data, tensor (and sequence) and pipeline parallelism at once, on one layout of the ranks.
 
-The world is the grid ``pp x dp_replicate x dp_shard x tp`` (``layout.py``). A rank holds:
+The world is the grid ``pp x dp_replicate x dp_shard x cp x tp`` (``layout.py``). A rank holds:
 
 - with ``tp`` > 1, its slice of every layer the module's ``tensor_parallel_plan()`` names (Megatron-LM; under
   ``sequence_parallel`` the norms, dropouts and residuals between those layers work on its slice of the sequence:
@@ -9,7 +9,9 @@ The world is the grid ``pp x dp_replicate x dp_shard x tp`` (``layout.py``). A r
   chooses them); with ``dp_replicate`` > 1 as well, the shards are replicated and their gradients all-reduced
   across replicas once per step (HSDP); with only ``dp_replicate``, ``ddp`` among the replicas;
 - with ``pp`` > 1, one stage's layers (``pipeline_layers()``), the pipeline's schedules running between stages and
-  all of the above inside each stage (``PipelinedParallel``).
+  all of the above inside each stage (``PipelinedParallel``);
+- with ``cp`` > 1, two of ``2 x cp`` chunks of every sequence (``local_batch``), attention running across the
+  context-parallel group (``context/ring.py``) and parameters sharded over ``dp_shard x cp``.
 
 Gradients of parameters the plan leaves whole are summed across the tensor-parallel group under sequence
 parallelism (each rank saw a slice of the sequence) and counted once in norms; the batch is read once per
@@ -51,7 +53,7 @@ class ParallelStrategy(Wrapper):
         tp: tensor-parallel degree: each planned layer split over this many ranks (consecutive ranks: keep them on
             one node). The module must define ``tensor_parallel_plan()``.
         dp_shard: ranks each replica's parameters, gradients and optimizer state are sharded over (FSDP units).
-            Default: what the world leaves (world / (tp x pp x dp_replicate)).
+            Default: what the world leaves (world / (tp x pp x cp x dp_replicate)).
         dp_replicate: replicas; with ``dp_shard`` > 1 this is HSDP, alone it is ddp.
         pp: pipeline stages (the module must define ``pipeline_layers()`` and ``pipeline_loss()``).
         cp: context parallelism: each rank of a ``cp`` group holds 2 of ``2 x cp`` chunks of every sequence (dimension
