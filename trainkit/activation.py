@@ -7,7 +7,9 @@ Two ways to recompute a checkpointed module:
   what is expensive to compute and cheap to store, the outputs of matrix multiplications and of fused attention
   kernels, and recompute the rest in backward (norms, activation functions, residual adds, softmax, dropout, copies).
   A batched product larger than its inputs (an attention score matrix, s x s per head, when attention is written
-  out) is recomputed too: that is the memory-hungry part the paper removes. Built on torch's selective-checkpoint
+  out) is recomputed too: that is the memory-hungry part the paper removes. So is a row-parallel layer's product under
+  tensor parallelism: a partial sum of the full sequence and width on every rank, read by nothing in backward once
+  reduced (Megatron-LM keeps no copy of it either). Built on torch's selective-checkpoint
   policy API (``create_selective_checkpoint_contexts``).
 
 ``every=k`` checkpoints one selected module in k (the first, the (k+1)-th, ...): memory between none and all.
@@ -25,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import trainkit_strategies.context.ring  # noqa: F401  (registers trainkit::cp_attention)
-from trainkit_strategies.memory import ActivationMeter
+from trainkit_strategies.memory import ActivationMeter, in_partial_products
 from trainkit_strategies.sharding.units import repeated_layers
 
 MODES = ("full", "selective")
@@ -53,9 +55,11 @@ def _numel(x: Any) -> int:
 
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Save the outputs of matmuls and fused attention kernels, except a batched product larger than its inputs
-    (attention written out: q @ k^T, s x s per head); recompute everything else. What is saved is counted by any active
+    (attention written out: q @ k^T, s x s per head) and a product marked as a partial sum about to be reduced
+    (``partial_products``: a row-parallel layer's, whole-size on every tensor-parallel rank); recompute everything
+    else. What is saved is counted by any active
     ``ActivationMeter`` (torch keeps it outside autograd's saved-tensor hooks)."""
-    if op in SAVED_OPS:
+    if op in SAVED_OPS and not in_partial_products():
         out = getattr(ctx, "op_output", None)
         inputs = [t for t in args if isinstance(t, torch.Tensor)]
         batched = op in (_aten.bmm.default, _aten.baddbmm.default)  # nn.Linear is mm/addmm on a flattened view

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,6 +115,27 @@ def _storage_id(t: Tensor) -> int:
     of a buffer gathered and freed again (FSDP units) stay excluded after it is gathered anew. Every storage counted
     or excluded is alive while a meter runs, so no two share this."""
     return t.untyped_storage()._cdata
+
+
+_unkept = threading.local()  # .depth: how many ``partial_products()`` contexts this thread is inside
+
+
+@contextmanager
+def partial_products() -> Iterator[None]:
+    """Marks the matrix products computed inside as partial sums about to be reduced (a row-parallel layer's):
+    full-size, never read by backward once reduced, so selective activation checkpointing recomputes them instead
+    of keeping them (``trainkit/activation.py``). Kept, they would cost a whole ``s x b x h`` per product on every
+    tensor-parallel rank, more than the rank's whole share of the layer's other activations at large ``tp``."""
+    _unkept.depth = getattr(_unkept, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _unkept.depth -= 1
+
+
+def in_partial_products() -> bool:
+    """Whether this thread is computing products ``partial_products()`` marks."""
+    return getattr(_unkept, "depth", 0) > 0
 
 
 class ActivationMeter:

@@ -26,6 +26,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tests.simworld import CPU, SimWorld
+from trainkit.activation import apply_activation_checkpointing
 from trainkit.demo.gpt import DemoGPT
 from trainkit_strategies import ActivationMeter, Environment, Precision, get_strategy
 
@@ -128,13 +129,16 @@ def _nbytes(tensors) -> int:
     return sum(x.numel() * x.element_size() for x in tensors)
 
 
-def measure(t: int, sp: bool | None, attention: SDPBackend = FLASH) -> list[dict]:
+def measure(t: int, sp: bool | None, attention: SDPBackend = FLASH, checkpointing: str | None = None) -> list[dict]:
     """Every rank of tp=t (``sp`` None: the ``single`` strategy): the activations its forward saves, then after
-    backward and one AdamW step the bytes of the tensors it holds (per parameter name) and its ``memory_report()``."""
+    backward and one AdamW step the bytes of the tensors it holds (per parameter name) and its ``memory_report()``.
+    ``checkpointing``: "selective" or "full" recomputation of every block, applied as the Trainer applies it."""
     gen = torch.Generator().manual_seed(1)
     batch = (torch.randint(0, V, (B, S), generator=gen), torch.randint(0, V, (B, S), generator=gen))
     world = SimWorld(t, device=CPU)
     models = [_gpt() for _ in range(t)]  # here, not in the rank threads: torch.manual_seed is process-wide
+    for model in models if checkpointing else ():
+        apply_activation_checkpointing(model, checkpointing)
 
     def rank(r: int) -> dict:
         strategy = get_strategy("single") if sp is SINGLE else \
@@ -247,6 +251,47 @@ def test_activations_match_the_derivation_byte_for_byte(measured, t, sp, attenti
     """Every tensor the derivation above names, and nothing else (tied to torch's kernels: what LayerNorm,
     the attention kernels and cross-entropy save)."""
     assert measured[(t, sp, attention)]["activations"] == derived_activations(t, sp, attention)
+
+
+# -- 4. selective checkpointing under tensor parallelism ------------------------------------------------------------
+# Selective recomputation keeps a block's input (the checkpoint's, 4 sbh whole, or 4 sbh/t under sequence
+# parallelism), the outputs of its matmuls and of the fused attention: q/k/v (12 sbh/t), the attention's output and
+# log-sum-exp (4 sbh/t + the same 4abs/t as without checkpointing), fc's (16 sbh/t); 44 sbh + lse per block at t = 1,
+# where the two output projections' products (4 sbh each) are kept too. Under tensor parallelism those two are a
+# row-parallel layer's partial sums, 4 sbh on every rank whatever t is and read by nothing once reduced: they are
+# recomputed instead (kept, selective would hold more than no checkpointing from t = 4 with sequence parallelism).
+# What selective saves less than none per block (the LayerNorms' inputs, outputs, mean and rstd, the GELU's output):
+#   t = 1:           20 sbh + 16 sb
+#   with sp:        (28 sbh + 16 sb) / t
+#   without sp:      12 sbh + 16 sb + 16 sbh / t  (the norms are whole, the checkpoint's input too)
+def selective_saving(t: int, sp: bool | None) -> int:
+    if sp is SINGLE:
+        return L * (20 * SBH + 16 * SB)
+    return L * (28 * SBH + 16 * SB) // t if sp else L * (12 * SBH + 16 * SB + 16 * SBH // t)
+
+
+CHECKPOINTED = [(1, SINGLE), (2, True), (4, True), (2, False), (4, False)]
+
+
+@pytest.fixture(scope="module")
+def checkpointed() -> dict:
+    out = {}
+    for mode in ("selective", "full"):
+        for t, sp in CHECKPOINTED:
+            ranks = measure(t, sp, FLASH, mode)
+            assert all(r["activations"] == ranks[0]["activations"] for r in ranks)
+            out[(t, sp, mode)] = ranks[0]["activations"]
+    return out
+
+
+@pytest.mark.parametrize(("t", "sp"), CHECKPOINTED, ids=["single", "tp2-sp", "tp4-sp", "tp2-nosp", "tp4-nosp"])
+def test_selective_checkpointing_under_tensor_parallelism(measured, checkpointed, t, sp):
+    none, selective, full = measured[(t, sp, FLASH)]["activations"], checkpointed[(t, sp, "selective")], \
+        checkpointed[(t, sp, "full")]
+    assert full < selective < none, (t, sp, full, selective, none)
+    assert none - selective == selective_saving(t, sp), (t, sp, (none - selective) / SBH)
+    if sp:  # with sequence parallelism everything selective keeps is divided by t, as none's is
+        assert selective < checkpointed[(1, SINGLE, "selective")] / t
 
 
 # -- the table -------------------------------------------------------------------------------------------------------

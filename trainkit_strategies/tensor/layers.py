@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trainkit_strategies.comm import Comm
+from trainkit_strategies.memory import partial_products
 from trainkit_strategies.tensor.loss import VocabShard
 from trainkit_strategies.tensor.regions import (
     SequenceParallelLinear,
@@ -108,7 +109,8 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: Tensor) -> Tensor:
-        partial = F.linear(x, self.weight)
+        with partial_products():  # selective checkpointing recomputes it rather than keep s x b x h per rank
+            partial = F.linear(x, self.weight)
         y = scatter_seq(partial, self.comm) if self.sequence_parallel else reduce_out(partial, self.comm)
         return y if self.bias is None else y + self.bias
 
