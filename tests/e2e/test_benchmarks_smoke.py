@@ -87,3 +87,14 @@ def test_context_parallel_smoke():
     work = next(line for line in proc.stdout.splitlines() if line.startswith("attention work per rank"))
     first, second = work.split(": ")[1].strip("[]").split(", ")
     assert first == second  # causal load balancing: both ranks compute as many chunk pairs
+
+
+def test_link_smoke():
+    """The link benchmark's workers and report over loopback (the shaped link needs root; the smoke needs none)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "link.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for row in ("trainkit ddp", "trainkit zero2", "trainkit fsdp", "torch DDP", "trainkit ddp + 1-bit Adam",
+                "trainkit HSDP (shard in node, replicate across)", "trainkit pipeline 1F1B (a stage per node) x 2"):
+        assert row in proc.stdout, row
+    assert "2x2 (4 ranks), loopback" in proc.stdout

@@ -1,6 +1,7 @@
-"""The compressed collectives at 3 ranks (chunks that do not split evenly by 2): all-to-all moves every chunk to
-its rank, and 1-bit averaging with error feedback on both sides converges on the exact mean over repeated
-exchanges, where dropping the feedback leaves a bias."""
+"""The collectives at 3 ranks (chunks that do not split evenly by 2): on gloo the ring reduce-scatter, all-gather and
+all-to-all give exactly torch's results with chunks larger than one message (several messages per round, sizes that
+do not divide evenly); all-to-all moves every chunk to its rank, and 1-bit averaging with error feedback on both
+sides converges on the exact mean over repeated exchanges, where dropping the feedback leaves a bias."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch.multiprocessing as mp
 
 from tests.parity.harness import free_port
 from trainkit_strategies import Environment
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.comm import MESSAGE_BYTES, Comm
 from trainkit_strategies.data_parallel.onebit import SignReduceScatter, compressed_all_reduce
 
 WORLD = 3
@@ -42,6 +43,22 @@ def _worker(rank: int, port: int, out: str) -> None:
     received = torch.empty_like(sent)
     comm.all_to_all(received.view(-1), sent.view(-1))
     results["all_to_all"] = received[:, 0].tolist()
+
+    # rings whose rounds travel as several messages: a chunk of 2.3 messages' worth, not a multiple of anything
+    chunk = MESSAGE_BYTES // 4 * 2 + MESSAGE_BYTES // 12 + 7
+    assert comm.ring
+    big = [torch.arange(WORLD * chunk, dtype=torch.float64) * (r + 1) % 1000 for r in range(WORLD)]  # every rank's
+    mine_of = lambda t: t.view(WORLD, chunk)[rank]
+    piece = torch.empty(chunk, dtype=torch.float64)
+    comm.reduce_scatter(piece, big[rank].clone())
+    results["ring_reduce_scatter"] = bool(torch.equal(piece, mine_of(sum(big))))
+    gathered = torch.empty(WORLD * chunk, dtype=torch.float64)
+    comm.all_gather(gathered, mine_of(big[rank]).clone())
+    results["ring_all_gather"] = bool(torch.equal(gathered, torch.cat([b.view(WORLD, chunk)[i]
+                                                                       for i, b in enumerate(big)])))
+    swapped = torch.empty(WORLD * chunk, dtype=torch.float64)
+    comm.all_to_all(swapped, big[rank])
+    results["ring_all_to_all"] = bool(torch.equal(swapped, torch.cat([b.view(WORLD, chunk)[rank] for b in big])))
 
     x = _inputs(rank)
     exact = sum(_inputs(r) for r in range(WORLD)) / WORLD
@@ -80,6 +97,7 @@ def test_compressed_collectives_at_three_ranks():
         everyone = json.loads(Path(out).read_text())
     for rank, results in enumerate(everyone):
         assert results["all_to_all"] == [source * 10 + rank for source in range(WORLD)]
+        assert results["ring_reduce_scatter"] and results["ring_all_gather"] and results["ring_all_to_all"], results
         assert results["all_reduce_same_True"] and results["all_reduce_same_False"]  # every rank ends alike
         assert results["all_reduce_feedback_True"] < 0.03, results
         assert results["all_reduce_feedback_False"] > 0.2, results
