@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import strategies
 from strategies import (
     PipelinedMLP,
     Step,
@@ -75,21 +76,7 @@ class Variant:
 def trainkit_variant(name: str, options: dict, env: Environment, shape: tuple[int, int, int], x: torch.Tensor,
                      optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
                      **optimizer_options: object) -> Variant:
-    model = make_model(*shape)
-    strategy = get_strategy(name, **options)
-    strategy.setup_environment(env)
-    strategy.setup(model, optimizer(model.parameters(), lr=1e-4, **optimizer_options), Precision.from_name("32"))
-    scale = 1.0 / strategy.world_size
-
-    def step() -> None:
-        with strategy.forward_context():
-            loss = F.mse_loss(model(x), x)
-        strategy.backward(loss)
-        strategy.reduce_gradients(scale)
-        strategy.optimizer_step()
-        strategy.zero_grad()
-
-    return Variant(step)
+    return Variant(strategies.trainkit_variant(name, options, env, shape, x, optimizer, **optimizer_options))
 
 
 def pipeline_variant(options: dict, env: Environment, shape: tuple[int, int, int], x: torch.Tensor,
