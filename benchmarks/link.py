@@ -15,6 +15,7 @@ namespace; otherwise it says so and stops. On a real cluster the same worker run
 
     python benchmarks/link.py                                   # 1 and 10 Gb/s, 2x1 and 2x2 (as root; minutes)
     python benchmarks/link.py --rates 1gbit --layouts 2x1 --rounds 5
+    python benchmarks/link.py --rates 1gbit --layouts 2x1 --only "trainkit ddp,1 rank,no comm"   # some rows
     python benchmarks/link.py --smoke                           # tiny model over loopback, no link (CI)
     torchrun --nnodes 2 --nproc-per-node 1 ... benchmarks/link.py --worker --rate-gbit 100   # real nodes
 
@@ -172,6 +173,9 @@ def worker(args: argparse.Namespace) -> None:
     x = torch.randn(batch, shape[0], generator=torch.Generator().manual_seed(rank))
     build = variants_2x2 if args.layout == "2x2" else variants_2x1
     variants = build(env, shape, x, 2 if args.smoke else 4)
+    if args.only:
+        wanted = [w.strip() for w in args.only.split(",")]
+        variants = {n: v for n, v in variants.items() if any(w in n for w in wanted)}
     local = local_variant(shape, x) if rank == 0 else None
     for v in variants.values():  # warm-up (compression past its first steps)
         for _ in range(3):
@@ -285,6 +289,7 @@ def launch(layout: str, rate: str | None, args: argparse.Namespace, port: int) -
                    "--steps", str(args.steps), "--rate-gbit", str(_rate_gbit(rate) if rate else 0)]
             cmd += ["--out", str(out)] if rank == 0 else []
             cmd += ["--smoke"] if args.smoke else []
+            cmd += ["--only", args.only] if args.only else []
             if rate:
                 cmd = ["bash", str(args.netsim), "run", node, *cmd]
             procs.append(subprocess.Popen(cmd, env=env))
@@ -326,6 +331,8 @@ def main() -> None:
     parser.add_argument("--netsim", type=Path, default=NETSIM, help="the script that builds the link")
     parser.add_argument("--timeout", type=float, default=3000.0, help="seconds per layout and rate")
     parser.add_argument("--json", type=Path, help="also write every result here")
+    parser.add_argument("--only", help="run only the variants whose names contain one of these comma-separated "
+                        "words (e.g. 'ddp,1-bit'); the references a ratio needs must be named too")
     # the worker (one rank; under torchrun on real nodes)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--layout", default="2x1", help=argparse.SUPPRESS)

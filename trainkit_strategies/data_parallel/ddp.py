@@ -35,7 +35,7 @@ from torch.optim import Optimizer
 from trainkit_strategies.base import SelfReducing, Strategy
 from trainkit_strategies.comm import Handle
 from trainkit_strategies.data_parallel.powersgd import PowerSGD
-from trainkit_strategies.flat import OrderedLauncher, pack
+from trainkit_strategies.flat import FIRST_BUCKET_BYTES, OrderedLauncher, pack
 from trainkit_strategies.precision import Precision
 
 
@@ -114,7 +114,8 @@ class DDPStrategy(Strategy):
             slot.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     def _build_buckets(self, params: list[nn.Parameter]) -> None:
-        groups = pack(list(reversed(params)), int(self.bucket_mb * 2**20), key=lambda p: p.dtype)
+        groups = pack(list(reversed(params)), int(self.bucket_mb * 2**20), key=lambda p: p.dtype,
+                      first_bytes=FIRST_BUCKET_BYTES)
         self._buckets, self._slots = [], {}
         layouts = []  # per bucket, (offset, shape) of each parameter: what PowerSGD compresses
         for index, group in enumerate(groups):

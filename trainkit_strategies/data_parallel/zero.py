@@ -37,7 +37,7 @@ from torch.optim import Optimizer
 from trainkit_strategies import state as st
 from trainkit_strategies.base import SelfReducing, Strategy
 from trainkit_strategies.data_parallel.onebit import SignReduceScatter
-from trainkit_strategies.flat import BucketReducer, FlatBucket, OrderedLauncher, pack
+from trainkit_strategies.flat import FIRST_BUCKET_BYTES, BucketReducer, FlatBucket, OrderedLauncher, pack
 from trainkit_strategies.hostcopy import CopyStream, host_buffer, mark
 from trainkit_strategies.master import DeferredGradScale, MasterShards, transfer
 from trainkit_strategies.memory import MemoryReport
@@ -54,6 +54,8 @@ class _Group:
 
 class GradientLayout(ABC):
     """Where a ZeRO stage keeps a rank's gradients, and when it reduce-scatters them."""
+
+    reduce_buffers: ClassVar[int] = 1  # bucket buffers the reducer takes in turn (``BucketReducer``)
 
     def __init__(self, strategy: ZeroStrategy) -> None:
         self.strategy = strategy
@@ -152,7 +154,10 @@ class WholeGradients(GradientLayout):
 class PartitionedGradients(GradientLayout):
     """ZeRO stage 2 (§5.2): each bucket is reduce-scattered as soon as backward fills it, on every micro-step,
     into the rank's gradient partition, which is what micro-steps accumulate into; whole gradients exist
-    for one bucket at a time (moved out of ``.grad`` into the reducer's reusable buffer)."""
+    for one bucket at a time (moved out of ``.grad`` into one of the reducer's two buffers, taken in turn, so
+    backward fills the next bucket while the last one is still on the wire)."""
+
+    reduce_buffers = 2
 
     def __init__(self, strategy: ZeroStrategy) -> None:
         super().__init__(strategy)
@@ -206,6 +211,8 @@ class OffloadedGradients(PartitionedGradients):
     fp32 chunk by chunk in the step (``host_adam.py``); nothing crosses the bus converting dtype, and transfers
     are one per bucket.
     """
+
+    reduce_buffers = 1  # the device holds one gradient bucket in flight: offload is for models that barely fit
 
     def __init__(self, strategy: ZeroStrategy) -> None:
         super().__init__(strategy)
@@ -341,7 +348,8 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         names = st.param_names(module)
         # frozen parameters stay whole and untouched, as the optimizer would leave them (grad None)
         group_of = {p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"] if p.requires_grad}
-        packed = pack(list(reversed(list(group_of))), int(self.bucket_mb * 2**20), key=lambda p: group_of[p])
+        packed = pack(list(reversed(list(group_of))), int(self.bucket_mb * 2**20), key=lambda p: group_of[p],
+                      first_bytes=FIRST_BUCKET_BYTES)
         self.buckets = [FlatBucket.build(b, [names[p] for p in b], self.world_size, group_of[b[0]]) for b in packed]
         for index, bucket in enumerate(self.buckets):
             bucket.index = index
@@ -357,7 +365,8 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         self.comm.broadcast_coalesced([p for p in module.parameters() if p not in bucketed] + list(module.buffers()))
         self._bucket_of = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.launcher = OrderedLauncher([len(b.params) for b in self.buckets], self._launch)
-        self.reducer = BucketReducer(self.comm, self.grad_dtype, self.device, max(b.padded for b in self.buckets))
+        self.reducer = BucketReducer(self.comm, self.grad_dtype, self.device, max(b.padded for b in self.buckets),
+                                     buffers=self.grads.reduce_buffers)
         self._master.retarget(optimizer)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._bucket_of]
         self._signs = SignReduceScatter(optimizer.error_feedback) if isinstance(optimizer, SelfReducing) else None
@@ -486,7 +495,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         assert self.module is not None
         split = self._master.split(self.optimizer)
         held = self.grads.memory()
-        grads = held["device"] + ([self.reducer.buffer] if self.reducer.buffer is not None else [])
+        grads = held["device"] + self.reducer.buffers
         sharded = set(self._bucket_of)
         return MemoryReport.of(
             {

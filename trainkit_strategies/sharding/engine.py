@@ -452,8 +452,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         split = self._master.split(self.optimizer)
         gathered = [b.gathered for b in self.buckets if b.gathered.untyped_storage().nbytes()]
         grads = list(self._grad_buffer) + [p.grad for p in self._bucket_of if p.grad is not None]
-        if self._reducer.buffer is not None:
-            grads.append(self._reducer.buffer)
+        grads += self._reducer.buffers
         return MemoryReport.of(
             {
                 "params": [b.shard for b in self.buckets] + gathered,
