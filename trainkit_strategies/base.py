@@ -415,7 +415,7 @@ class Strategy(ABC):
             "params": list(self.module.parameters()),
             "grads": self.gradients(),
             "master": [],
-            "optimizer": opt_state + list(self.local_state().values()),  # with compression's error feedback
+            "optimizer": opt_state + optimizer_extras(self),  # with compression's error feedback
             "buffers": list(self.module.buffers()),
         })
 
@@ -472,6 +472,18 @@ class SelfReducing(ABC):
 
     @abstractmethod
     def load_local_state(self, state: dict[str, Tensor]) -> None: ...
+
+    def cached(self) -> list[Tensor]:
+        """Tensors kept between steps that are neither state nor checkpointed (caches), for memory reports."""
+        return []
+
+
+def optimizer_extras(strategy: Strategy) -> list[Tensor]:
+    """What an optimizer holds beyond ``optimizer.state``: compression's error feedback and its caches."""
+    extras = list(strategy.local_state().values())
+    if isinstance(strategy.optimizer, SelfReducing):
+        extras += strategy.optimizer.cached()
+    return extras
 
 
 def check_optimizer(strategy: Strategy, optimizer: Optimizer | None) -> None:

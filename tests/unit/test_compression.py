@@ -56,6 +56,53 @@ def test_onebit_adam_freezes_the_variance_after_freeze_step():
     assert int(opt.state[p]["step"]) == 6
 
 
+def _frozen_adam_update(p: torch.Tensor, state: dict, lr: float, step: int, freeze: int) -> torch.Tensor:
+    """Adam's update with the variance of ``freeze`` steps, written out (one process: momentum is the gradient's)."""
+    denom = state["exp_avg_sq"].sqrt() / (1 - 0.999**freeze) ** 0.5 + 1e-8
+    return p - lr / (1 - 0.9**step) * state["exp_avg"] / denom
+
+
+def test_onebit_adam_keeps_the_frozen_denominators_while_the_variance_holds_still():
+    p = torch.nn.Parameter(torch.randn(64))
+    opt = OneBitAdam([p], lr=0.1, freeze_step=2)
+    for step in range(1, 7):
+        p.grad = torch.randn(64)
+        expected = None
+        if step > 2:  # the update from this step's momentum and the frozen variance, computed afresh
+            state = {"exp_avg": opt.state[p]["exp_avg"].lerp(p.grad, 0.1), "exp_avg_sq": opt.state[p]["exp_avg_sq"]}
+            expected = _frozen_adam_update(p.detach(), state, 0.1, step, 2)
+        opt.step()
+        if expected is not None:
+            torch.testing.assert_close(p.detach(), expected, rtol=1e-6, atol=1e-7)
+        assert len(opt.cached()) == (1 if step > 2 else 0)  # kept once frozen, never before
+    kept = opt.cached()[0]
+    opt.state[p]["exp_avg_sq"].mul_(4.0)  # someone changes the variance in place: the cache must not be used
+    p.grad = torch.randn(64)
+    state = {"exp_avg": opt.state[p]["exp_avg"].lerp(p.grad, 0.1), "exp_avg_sq": opt.state[p]["exp_avg_sq"]}
+    expected = _frozen_adam_update(p.detach(), state, 0.1, 7, 2)
+    opt.step()
+    torch.testing.assert_close(p.detach(), expected, rtol=1e-6, atol=1e-7)
+    assert opt.cached()[0] is not kept
+    opt.load_state_dict(opt.state_dict())  # a load drops it
+    assert opt.cached() == []
+
+
+def test_the_memory_report_counts_onebit_adams_cache():
+    from trainkit_strategies import Precision, get_strategy
+
+    model = torch.nn.Linear(16, 8)
+    opt = OneBitAdam(model.parameters(), lr=0.1, freeze_step=1)
+    strategy = get_strategy("single")
+    strategy.setup(model, opt, Precision.from_name("32"))
+    for _ in range(3):
+        model(torch.randn(4, 16)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    numel = sum(p.numel() for p in model.parameters())
+    # Adam's state (2 x 4 B per element, a 4 B step per tensor) and the frozen denominators (4 B per element)
+    assert strategy.memory_report().device["optimizer"] == 12 * numel + 4 * 2
+
+
 def test_sign_codec_round_trips_and_keeps_each_chunks_norm():
     x = torch.randn(4 * 64)
     x[:2] = torch.tensor([0.0, -0.0])  # by the sign bit: +0 is +1, -0 is -1

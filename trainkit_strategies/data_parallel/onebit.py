@@ -215,6 +215,7 @@ class OneBitAdam(Optimizer, SelfReducing):
         self._worker_error: Tensor | None = None
         self._flat: Tensor | None = None  # every momentum, end to end (fp32 ones are views into it)
         self._server_error: Tensor | None = None
+        self._denoms: dict[int, tuple] = {}  # per param group: the frozen variance's denominators and their key
 
     # -- SelfReducing ----------------------------------------------------------------------------------
     def bind(self, comm: Comm) -> None:
@@ -285,10 +286,35 @@ class OneBitAdam(Optimizer, SelfReducing):
             torch._foreach_mul_(params, 1 - lr * wd)
         bias1 = 1 - group["betas"][0] ** step
         bias2_sqrt = math.sqrt(1 - group["betas"][1] ** variance_step)
-        denoms = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
+        denoms = self._denominators(group, [s["exp_avg_sq"] for s in states], bias2_sqrt, eps,
+                                    frozen=variance_step < step)
+        torch._foreach_addcdiv_(params, [s["exp_avg"] for s in states], denoms, value=-lr / bias1)
+
+    def _denominators(self, group: dict, variances: list[Tensor], bias2_sqrt: float, eps: float,
+                      frozen: bool) -> list[Tensor]:
+        """sqrt(v) / bias2_sqrt + eps for every variance of ``group``. Once the variance is frozen they are the same
+        step after step, so they are kept (three of the update's four passes over the parameters, the square root
+        the slowest, are saved) for as long as the same variance tensors hold the same values (``_version``
+        counts in-place changes; a load replaces them)."""
+        key = ((bias2_sqrt, eps), [(v, v._version) for v in variances])
+        cached = self._denoms.get(id(group))
+        if cached is not None and cached[0][0] == key[0] and len(cached[0][1]) == len(variances) and all(
+                a is v and n == v._version for (a, n), v in zip(cached[0][1], variances, strict=True)):
+            return cached[1]
+        self._denoms.pop(id(group), None)
+        denoms = torch._foreach_sqrt(variances)
         torch._foreach_div_(denoms, bias2_sqrt)
         torch._foreach_add_(denoms, eps)
-        torch._foreach_addcdiv_(params, [s["exp_avg"] for s in states], denoms, value=-lr / bias1)
+        if frozen:
+            self._denoms[id(group)] = (key, denoms)
+        return denoms
+
+    def cached(self) -> list[Tensor]:
+        return [d for _, denoms in self._denoms.values() for d in denoms]
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._denoms.clear()
+        super().load_state_dict(state_dict)
 
     def _average_momenta(self, states: list[dict]) -> None:
         """One compressed all-reduce over every momentum, as one flat buffer padded to 8·W elements. fp32 momenta

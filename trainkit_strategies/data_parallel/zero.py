@@ -35,7 +35,7 @@ from torch.autograd import Variable
 from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
-from trainkit_strategies.base import SelfReducing, Strategy
+from trainkit_strategies.base import SelfReducing, Strategy, optimizer_extras
 from trainkit_strategies.data_parallel.onebit import SignReduceScatter
 from trainkit_strategies.flat import FIRST_BUCKET_BYTES, BucketReducer, FlatBucket, OrderedLauncher, pack
 from trainkit_strategies.hostcopy import CopyStream, host_buffer, mark
@@ -502,7 +502,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
                 "params": [g.working for g in self.groups] + [p for p in self.module.parameters() if p not in sharded],
                 "grads": grads + split["device"]["grads"],
                 "master": split["device"]["master"],
-                "optimizer": split["device"]["optimizer"] + list(self.local_state().values()),
+                "optimizer": split["device"]["optimizer"] + optimizer_extras(self),
                 "buffers": list(self.module.buffers()),
             },
             {**split["host"], "grads": held["host"] + split["host"]["grads"]},
