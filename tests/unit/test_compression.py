@@ -148,9 +148,8 @@ def _powersgd_residual(error_feedback: bool, steps: int = 200) -> float:
     arrived = torch.zeros_like(grad)
     for _ in range(steps):
         buffer = grad.clone().view(-1)
-        compressor.launch(0, buffer, Comm())
-        compressor.exchange_q(0, buffer, Comm())
-        compressor.decompress(0, buffer)
+        compressor.launch(0, buffer)
+        compressor.exchange([buffer], Comm())
         arrived += buffer.view_as(grad)
     return float(torch.linalg.vector_norm(arrived / steps - grad) / torch.linalg.vector_norm(grad))
 

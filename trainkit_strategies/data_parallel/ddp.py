@@ -161,7 +161,7 @@ class DDPStrategy(Strategy):
         if self._local:
             return
         if self._compressing:
-            self.compressor.launch(index, bucket.buffer, self.comm)
+            self.compressor.launch(index, bucket.buffer)
             return
         bucket.handle = self.comm.all_reduce(bucket.buffer, async_op=True)
 
@@ -189,10 +189,7 @@ class DDPStrategy(Strategy):
         if self._local:
             scale = scale * self.world_size  # each rank's own estimate of the mean; the optimizer averages
         elif self._compressing:
-            for index, bucket in enumerate(self._buckets):
-                self.compressor.exchange_q(index, bucket.buffer, self.comm)
-            for index, bucket in enumerate(self._buckets):
-                self.compressor.decompress(index, bucket.buffer)
+            self.compressor.exchange([bucket.buffer for bucket in self._buckets], self.comm)
         if self.compressor is not None:
             self.compressor.steps += 1
         apply_scale = not (isinstance(scale, float | int) and scale == 1.0)
