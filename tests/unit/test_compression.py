@@ -114,6 +114,33 @@ def test_sign_codec_round_trips_and_keeps_each_chunks_norm():
     torch.testing.assert_close(torch.linalg.vector_norm(restored, dim=1), norms)
 
 
+def test_sign_codec_in_passes_with_reused_scratch_gives_what_one_pass_gives(monkeypatch):
+    """The codec works in passes of ``_PASS`` elements through a ``Workspace``; rows that span several passes
+    (and a workspace reused across calls of different sizes) give exactly the signs, scales, errors and sums that
+    the whole-tensor arithmetic gives."""
+    from trainkit_strategies.data_parallel import onebit
+
+    torch.manual_seed(0)
+    x = torch.randn(4 * 96)
+    error = torch.randn(4 * 96)
+    signs = torch.where(torch.signbit(x), -1.0, 1.0).view(4, -1)
+    scales = torch.linalg.vector_norm(x.view(4, -1), dim=1) / 96**0.5
+    monkeypatch.setattr(onebit, "_PASS", 16)
+    work = onebit.Workspace()
+    for _ in range(2):
+        got_scales, got_signs = compress(x, 4, error, work)
+        torch.testing.assert_close(got_scales, scales, rtol=0, atol=0)
+        assert torch.equal(got_signs, pack_signs(x).view(4, -1))
+        expected_error = (x.view(4, -1) - scales[:, None] * signs).reshape(-1)
+        torch.testing.assert_close(error, expected_error, rtol=0, atol=0)
+        total = torch.empty(96)
+        onebit._decompress_sum(got_scales, got_signs, total, work)
+        torch.testing.assert_close(total, (scales[:, None] * signs).sum(0), rtol=1e-6, atol=1e-7)
+        small = torch.empty(32)
+        assert torch.equal(unpack_signs(got_signs[0, :4], 1.0, out=small, work=work), signs[0, :32])
+    assert max(t.numel() for t in work.tensors()) <= 16  # the scratch never grew past one pass
+
+
 def _feedback_residual(error_feedback: bool, steps: int = 200) -> float:
     """Send the same vector ``steps`` times through 1-bit compression (one rank: worker and server side both
     compress); how far the mean of what arrived is from what was sent, relative to its norm."""

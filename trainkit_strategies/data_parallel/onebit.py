@@ -48,40 +48,79 @@ def _sign_table(device: torch.device) -> Tensor:
     return _TABLES[device]
 
 
+_PASS = 1 << 20  # elements per pass of the codec: its temporaries stay small, reused and in cache
+
+
+class Workspace:
+    """The sign codec's scratch tensors, by name, allocated once and reused: a step's temporaries as large as
+    the momentum, allocated afresh every step, cost more in first-touch page faults than the arithmetic done
+    in them (on the 8.4M-parameter reference MLP: 24 ms against 5.5 for the server's sum of decompressed
+    chunks). Each pass works on at most ``_PASS`` elements, so the scratch stays a few MB."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, Tensor] = {}
+
+    def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != device:
+            buffer = self._buffers[name] = torch.empty(numel, dtype=dtype, device=device)
+        return buffer[:numel]
+
+    def tensors(self) -> list[Tensor]:
+        return list(self._buffers.values())
+
+
 def pack_signs(x: Tensor) -> Tensor:
     """The sign bits of ``x`` (set: negative, -0.0 included), 8 per byte, first element most significant;
     ``x.numel() % 8 == 0``."""
     return _pack(torch.signbit(x))
 
 
-def _pack(negative: Tensor) -> Tensor:
+def _pack(negative: Tensor, out: Tensor | None = None, work: Workspace | None = None) -> Tensor:
     words = negative.reshape(-1).view(torch.uint8).view(torch.int64)
-    return ((words * _GATHER_BITS) >> 56).bitwise_and_(255).to(torch.uint8)
+    if work is None or out is None:
+        return ((words * _GATHER_BITS) >> 56).bitwise_and_(255).to(torch.uint8)
+    product = torch.mul(words, _GATHER_BITS, out=work.get("words", words.numel(), torch.int64, words.device))
+    return out.copy_(product.bitwise_right_shift_(56).bitwise_and_(255))
 
 
-def unpack_signs(packed: Tensor, scale: Tensor | float = 1.0, out: Tensor | None = None) -> Tensor:
+def unpack_signs(packed: Tensor, scale: Tensor | float = 1.0, out: Tensor | None = None,
+                 work: Workspace | None = None) -> Tensor:
     """``scale`` times the +1/-1 of every bit in ``packed`` (one table lookup per byte), into ``out`` if given."""
     table = _sign_table(packed.device)
     if not (isinstance(scale, float) and scale == 1.0):
         table = table * scale
-    index = packed.reshape(-1).int()
     if out is None:
-        return torch.index_select(table, 0, index).view(-1)
-    torch.index_select(table, 0, index, out=out.view(-1, 8))
+        return torch.index_select(table, 0, packed.reshape(-1).int()).view(-1)
+    packed, rows = packed.reshape(-1), out.view(-1, 8)
+    for a in range(0, packed.numel(), _PASS // 8):
+        b = min(packed.numel(), a + _PASS // 8)
+        index = packed[a:b].int() if work is None else work.get("index", b - a, torch.int32, packed.device).copy_(
+            packed[a:b])
+        torch.index_select(table, 0, index, out=rows[a:b])
     return out
 
 
-def compress(x: Tensor, chunks: int, error: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def compress(x: Tensor, chunks: int, error: Tensor | None = None,
+             work: Workspace | None = None) -> tuple[Tensor, Tensor]:
     """``x`` viewed as ``chunks`` equal rows -> (per-row scale ||row||/sqrt(len), packed signs per row). With
     ``error`` (x's size), write what the signs lose there: ``x - scale * sign(x)``."""
+    work = work if work is not None else Workspace()
     rows = x.view(chunks, -1)
     scales = torch.linalg.vector_norm(rows, dim=1) / math.sqrt(rows.shape[1])
-    if error is not None:
-        errors = error.view(chunks, -1)
-        for scale, row, lost in zip(scales, rows, errors, strict=True):  # per row: a 0-dim scale is fast to broadcast
-            torch.copysign(scale, row, out=lost)
-        torch.sub(rows, errors, out=errors)
-    return scales, _pack(torch.signbit(rows)).view(chunks, -1)
+    signs = torch.empty((chunks, rows.shape[1] // 8), dtype=torch.uint8, device=x.device)
+    errors = error.view(chunks, -1) if error is not None else None
+    for r in range(chunks):
+        for a in range(0, rows.shape[1], _PASS):
+            b = min(rows.shape[1], a + _PASS)
+            part = rows[r, a:b]
+            if errors is not None:
+                lost = errors[r, a:b]
+                torch.copysign(scales[r], part, out=lost)  # a 0-dim scale is fast to broadcast
+                torch.sub(part, lost, out=lost)
+            negative = torch.signbit(part, out=work.get("negative", b - a, torch.bool, x.device))
+            _pack(negative, signs[r, a // 8 : b // 8], work)
+    return scales, signs
 
 
 def decompress(scales: Tensor, signs: Tensor) -> Tensor:
@@ -92,14 +131,16 @@ def decompress(scales: Tensor, signs: Tensor) -> Tensor:
     return rows
 
 
-def _decompress_sum(scales: Tensor, signs: Tensor, out: Tensor) -> None:
-    """``out`` = the sum over rows of ``scale * sign``, without materialising the rows together."""
+def _decompress_sum(scales: Tensor, signs: Tensor, out: Tensor, work: Workspace | None = None) -> None:
+    """``out`` = the sum over rows of ``scale * sign``, a pass of at most ``_PASS`` elements at a time."""
+    work = work if work is not None else Workspace()
     signs = signs.view(scales.numel(), -1)
-    unpack_signs(signs[0], scales[0], out=out)
-    if scales.numel() > 1:
-        row = torch.empty_like(out)
-        for scale, packed in zip(scales[1:], signs[1:], strict=True):
-            out.add_(unpack_signs(packed, scale, out=row))
+    unpack_signs(signs[0], scales[0], out=out, work=work)
+    for scale, packed in zip(scales[1:], signs[1:], strict=True):
+        for a in range(0, packed.numel(), _PASS // 8):
+            b = min(packed.numel(), a + _PASS // 8)
+            part = work.get("row", 8 * (b - a), torch.float32, out.device)
+            out[8 * a : 8 * b].add_(unpack_signs(packed[a:b], scale, out=part, work=work))
 
 
 def _wire(scales: Tensor, signs: Tensor) -> Tensor:
@@ -113,29 +154,30 @@ def _unwire(buffer: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def compressed_all_reduce(x: Tensor, worker_error: Tensor, server_error: Tensor, comm: Comm,
-                          error_feedback: bool = True) -> None:
+                          error_feedback: bool = True, work: Workspace | None = None) -> None:
     """Replace ``x`` (flat fp32, numel a multiple of 8·W) in place by the mean over ranks of every rank's ``x``,
     through sign compression with error feedback (Algorithm 1 of Tang et al.). ``worker_error`` has x's size,
     ``server_error`` one chunk's (numel/W); both are updated. ``error_feedback=False`` drops both errors
-    (compression bias accumulates: for tests and ablations)."""
+    (compression bias accumulates: for tests and ablations). ``work``: scratch kept between calls."""
     world = comm.world_size
+    work = work if work is not None else Workspace()
     if error_feedback:
         x.add_(worker_error)
-    scales, signs = compress(x, world, worker_error if error_feedback else None)
+    scales, signs = compress(x, world, worker_error if error_feedback else None, work)
     sent = _wire(scales, signs)
     received = torch.empty_like(sent)
     comm.all_to_all(received.view(-1), sent.view(-1))
     their_scales, their_signs = _unwire(received)
-    mine = torch.empty_like(server_error)
-    _decompress_sum(their_scales / world, their_signs, mine)
+    mine = work.get("server", server_error.numel(), torch.float32, x.device)
+    _decompress_sum(their_scales / world, their_signs, mine, work)
     if error_feedback:
         mine.add_(server_error)
-    scale, sign = compress(mine, 1, server_error if error_feedback else None)
+    scale, sign = compress(mine, 1, server_error if error_feedback else None, work)
     gathered = torch.empty((world, sent.shape[1]), dtype=torch.uint8, device=x.device)
     comm.all_gather(gathered.view(-1), _wire(scale, sign).view(-1))
     all_scales, all_signs = _unwire(gathered)
     for row, one_scale, packed in zip(x.view(world, -1), all_scales, all_signs, strict=True):
-        unpack_signs(packed, one_scale, out=row)
+        unpack_signs(packed, one_scale, out=row, work=work)
 
 
 class SignReduceScatter:
@@ -150,9 +192,10 @@ class SignReduceScatter:
     all-gather as before. Per bucket, the rank keeps a worker error of the bucket's size (fp32).
     """
 
-    def __init__(self, error_feedback: bool = True) -> None:
+    def __init__(self, error_feedback: bool = True, work: Workspace | None = None) -> None:
         self.error_feedback = error_feedback
         self.errors: dict[int, Tensor] = {}
+        self.work = work if work is not None else Workspace()
 
     def start(self, comm: Comm, out: Tensor, source: Tensor, key: int) -> tuple[Handle, Callable[[], None]]:
         """Launch the exchange of bucket ``key`` (``source``: its padded gradients) into ``out`` (this rank's
@@ -163,10 +206,10 @@ class SignReduceScatter:
             error = self.errors.get(key)
             if error is None or error.numel() != source.numel():
                 error = self.errors[key] = torch.zeros(source.numel(), device=source.device)
-            x = torch.add(error, source)
+            x = torch.add(error, source, out=self.work.get("x", source.numel(), torch.float32, source.device))
         else:
             x = source.float()
-        scales, signs = compress(x, world, error)
+        scales, signs = compress(x, world, error, self.work)
         sent = _wire(scales, signs)
         received = torch.empty_like(sent)
         handle = comm.all_to_all(received.view(-1), sent.view(-1), async_op=True)
@@ -174,10 +217,10 @@ class SignReduceScatter:
         def finish() -> None:
             their_scales, their_signs = _unwire(received)
             if out.dtype == torch.float32:
-                _decompress_sum(their_scales, their_signs, out)
+                _decompress_sum(their_scales, their_signs, out, self.work)
             else:
-                total = torch.empty(out.numel(), device=out.device)
-                _decompress_sum(their_scales, their_signs, total)
+                total = self.work.get("total", out.numel(), torch.float32, out.device)
+                _decompress_sum(their_scales, their_signs, total, self.work)
                 out.copy_(total)
 
         return handle, finish
@@ -216,6 +259,7 @@ class OneBitAdam(Optimizer, SelfReducing):
         self._flat: Tensor | None = None  # every momentum, end to end (fp32 ones are views into it)
         self._server_error: Tensor | None = None
         self._denoms: dict[int, tuple] = {}  # per param group: the frozen variance's denominators and their key
+        self.workspace = Workspace()  # the codec's scratch (shared with a ZeRO strategy's SignReduceScatter)
 
     # -- SelfReducing ----------------------------------------------------------------------------------
     def bind(self, comm: Comm) -> None:
@@ -310,7 +354,7 @@ class OneBitAdam(Optimizer, SelfReducing):
         return denoms
 
     def cached(self) -> list[Tensor]:
-        return [d for _, denoms in self._denoms.values() for d in denoms]
+        return [d for _, denoms in self._denoms.values() for d in denoms] + self.workspace.tensors()
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._denoms.clear()
@@ -342,6 +386,7 @@ class OneBitAdam(Optimizer, SelfReducing):
             self._worker_error = torch.zeros_like(flat)
             self._server_error = torch.zeros(padded // world, dtype=torch.float32, device=flat.device)
         assert self._server_error is not None
-        compressed_all_reduce(flat, self._worker_error, self._server_error, self.comm, self.error_feedback)
+        compressed_all_reduce(flat, self._worker_error, self._server_error, self.comm, self.error_feedback,
+                              self.workspace)
         for m, view in copied:
             m.copy_(view.view_as(m))

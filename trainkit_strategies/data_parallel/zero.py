@@ -369,7 +369,8 @@ class ZeroStrategy(DeferredGradScale, Strategy):
                                      buffers=self.grads.reduce_buffers)
         self._master.retarget(optimizer)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._bucket_of]
-        self._signs = SignReduceScatter(optimizer.error_feedback) if isinstance(optimizer, SelfReducing) else None
+        self._signs = (SignReduceScatter(optimizer.error_feedback, getattr(optimizer, "workspace", None))
+                       if isinstance(optimizer, SelfReducing) else None)
 
     def _grads_on_device(self) -> bool:
         """Whether reduced gradients reach the step on the device (every layout but ZeRO-Offload's host partition)."""
