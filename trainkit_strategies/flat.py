@@ -175,11 +175,6 @@ class BucketReducer:
         self._filled: list[int] = []  # per pending reduction, the buffer it reads (-1: none of ours)
         self._last: int = -1
 
-    @property
-    def buffer(self) -> Tensor | None:
-        """The first bucket buffer (None until a bucket was filled)."""
-        return self.buffers[0] if self.buffers else None
-
     def _take(self) -> Tensor:
         """The next buffer in turn, once the reduction that last read it has finished."""
         turn = self._turn
@@ -218,8 +213,7 @@ class BucketReducer:
         else:
             handle = self.comm.reduce_scatter(out, source, async_op=True)
         self.pending.append((handle, after, out if accumulate else None, shard, on_done))
-        ours = self._last >= 0 and source.untyped_storage().data_ptr() == self.buffers[self._last].data_ptr()
-        self._filled.append(self._last if ours else -1)
+        self._filled.append(self._last)  # -1 where ``source`` was not taken from our buffers (stage 1 in place)
         self._last = -1
 
     def finish(self, upto: int | None = None) -> None:

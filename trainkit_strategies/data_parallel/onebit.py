@@ -258,7 +258,7 @@ class OneBitAdam(Optimizer, SelfReducing):
         self._worker_error: Tensor | None = None
         self._flat: Tensor | None = None  # every momentum, end to end (fp32 ones are views into it)
         self._server_error: Tensor | None = None
-        self._denoms: dict[int, tuple] = {}  # per param group: the frozen variance's denominators and their key
+        self._denoms: dict[int, tuple] = {}  # per param group: (bias2_sqrt, eps, variances, their versions, denoms)
         self.workspace = Workspace()  # the codec's scratch (shared with a ZeRO strategy's SignReduceScatter)
 
     # -- SelfReducing ----------------------------------------------------------------------------------
@@ -340,21 +340,21 @@ class OneBitAdam(Optimizer, SelfReducing):
         step after step, so they are kept (three of the update's four passes over the parameters, the square root
         the slowest, are saved) for as long as the same variance tensors hold the same values (``_version``
         counts in-place changes; a load replaces them)."""
-        key = ((bias2_sqrt, eps), [(v, v._version) for v in variances])
-        cached = self._denoms.get(id(group))
-        if cached is not None and cached[0][0] == key[0] and len(cached[0][1]) == len(variances) and all(
-                a is v and n == v._version for (a, n), v in zip(cached[0][1], variances, strict=True)):
-            return cached[1]
-        self._denoms.pop(id(group), None)
+        versions = [v._version for v in variances]
+        kept = self._denoms.pop(id(group), None)
+        if kept is not None and kept[:2] == (bias2_sqrt, eps) and kept[3] == versions and all(
+                a is b for a, b in zip(kept[2], variances, strict=True)):
+            self._denoms[id(group)] = kept
+            return kept[4]
         denoms = torch._foreach_sqrt(variances)
         torch._foreach_div_(denoms, bias2_sqrt)
         torch._foreach_add_(denoms, eps)
         if frozen:
-            self._denoms[id(group)] = (key, denoms)
+            self._denoms[id(group)] = (bias2_sqrt, eps, variances, versions, denoms)
         return denoms
 
     def cached(self) -> list[Tensor]:
-        return [d for _, denoms in self._denoms.values() for d in denoms] + self.workspace.tensors()
+        return [d for kept in self._denoms.values() for d in kept[4]] + self.workspace.tensors()
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._denoms.clear()
