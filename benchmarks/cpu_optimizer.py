@@ -1,21 +1,25 @@
-"""The host half of an offloaded step beside torch's fused AdamW and DeepSpeedCPUAdam, on the same tensors.
+"""The host half of an offloaded step beside torch's fused AdamW, DeepSpeedCPUAdam and a plain copy, on the same sizes.
 
-What a GPU step waits on under ZeRO-Offload is the host step: gradients arrive in bf16, the fp32 master
-and Adam moments are updated, and the parameters go back in bf16. trainkit runs it as
-``ZeroOffloadStrategy.step_shards()``: torch's fused CPU AdamW chunk by chunk, each chunk's gradient
-converted in cache and each chunk's updated master written back in bf16 (``host_adam.py``). It is timed
-against:
+What a GPU step waits on under ZeRO-Offload is the host step: gradients arrive in bf16, the fp32 master and Adam
+moments are updated, and the parameters go back in bf16. trainkit runs it in one pass per run of buckets
+(``trainkit_strategies/host_adam.py``, a C kernel built on first use). Variants, each moving about the same bytes:
 
-- torch ``AdamW(fused=True)`` stepping fp32 tensors with a ready fp32 gradient: no conversion at all,
-  the rate to match;
-- DeepSpeedCPUAdam (``DS_ACCELERATOR=cpu``, when DeepSpeed is installed) stepping fp32 gradients, plus the
-  bf16 copy of the parameters DeepSpeed's engine makes after it (DeepSpeed 0.19 has no ``fp16_param_groups``
-  pass that writes it during the step; older releases did).
+- torch ``AdamW(fused=True)`` stepping fp32 tensors with a ready fp32 gradient: read 16 bytes a parameter, write 12;
+- trainkit's step of ``zero_offload`` under bf16-mixed as on a CPU device (``step_shards``: bf16 gradient in, the
+  bf16 working parameters out: read 14, write 14), and its fp32 run (precision "32": read 16, write 16);
+- trainkit's step as on a GPU (``HostAdam``, the bf16 parameters written over the bf16 gradient they came from);
+- the same with torch's kernels, the fallback where no C compiler exists (convert, fused step, copy: 40 bytes);
+- DeepSpeedCPUAdam (``DS_ACCELERATOR=cpu``, when DeepSpeed is installed) stepping fp32 gradients, plus the bf16 copy
+  of the parameters DeepSpeed's engine makes after it (34 bytes);
+- a plain copy of 14 bytes a parameter (read 14, write 14): what the memory system gives a pass of 28 bytes.
 
-Variants alternate; the median over rounds is printed as parameters per second and as ratios.
+Variants alternate within a round; the median over rounds is printed as parameters per second, GB/s of the bytes
+above, and ratios to torch's fused AdamW and to DeepSpeed at the same thread count, then the gain from each thread
+count over one thread.
 
-    python benchmarks/cpu_optimizer.py            # 16M parameters (~1 min)
-    python benchmarks/cpu_optimizer.py --smoke    # 1M parameters (CI)
+    python benchmarks/cpu_optimizer.py                              # 16M and 64M parameters, 1 and 2 threads
+    python benchmarks/cpu_optimizer.py --numel 1G --threads 16      # a GPU host's cores
+    python benchmarks/cpu_optimizer.py --smoke                      # 1M parameters (CI)
 """
 
 from __future__ import annotations
@@ -30,11 +34,23 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from trainkit_strategies import Environment, Precision, get_strategy
+from trainkit_strategies import Environment, Precision, get_strategy, native
+from trainkit_strategies import host_adam as host_adam_module
+from trainkit_strategies.host_adam import HostAdam
+
+Variant = tuple[Callable[[], None], int]  # (one step, bytes a parameter it moves)
+FUSED, OURS = "torch AdamW(fused=True), fp32", "trainkit bf16 in, bf16 out (CPU device)"
+DS = "DeepSpeedCPUAdam fp32 + bf16 copy"
 
 
-def offloaded(numel: int, precision: str) -> tuple[Callable[[], None], int]:
-    """trainkit's host step: ``precision`` "32" (fp32 in and out) or "bf16-mixed" (bf16 in, bf16 out)."""
+def size(text: str) -> int:
+    """16M, 64M, 1G, or a number of elements."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units else int(text)
+
+
+def offloaded(numel: int, precision: str) -> Callable[[], None]:
+    """trainkit's host step as ``zero_offload`` runs it on a CPU device, over one Linear of ``numel`` weights."""
     torch.manual_seed(0)
     model = nn.Linear(numel // 1024, 1024, bias=False)
     strategy = get_strategy("zero_offload")
@@ -42,14 +58,33 @@ def offloaded(numel: int, precision: str) -> tuple[Callable[[], None], int]:
     strategy.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), Precision.from_name(precision))
     for grads in strategy.grads.buffers:
         grads.normal_()
-    return strategy.step_shards, sum(p.numel() for p in model.parameters())
+    return strategy.step_shards
 
 
-def reference(numel: int) -> Callable[[], None]:
+def in_place(numel: int, fallback: bool = False) -> Callable[[], None]:
+    """trainkit's host step as on a GPU: bf16 gradient in, the bf16 parameters written over it."""
+    master = torch.randn(numel)
+    grad = torch.randn(numel).bfloat16()
+    adam = HostAdam(torch.optim.AdamW([master], lr=1e-3), [(master, 0, [(master, 0)])])
+    threads = torch.get_num_threads()
+
+    def step() -> None:
+        kernel = host_adam_module._kernel
+        if fallback:
+            host_adam_module._kernel = lambda: None
+        try:
+            adam.begin(1.0, threads)
+            adam.step([master], [grad], [grad])
+        finally:
+            host_adam_module._kernel = kernel
+
+    return step
+
+
+def fused(numel: int) -> Callable[[], None]:
     param = torch.randn(numel, requires_grad=True)
     param.grad = torch.randn(numel)
-    opt = torch.optim.AdamW([param], lr=1e-3, fused=True)
-    return opt.step
+    return torch.optim.AdamW([param], lr=1e-3, fused=True).step
 
 
 def deepspeed_adam(numel: int) -> Callable[[], None] | None:
@@ -70,6 +105,26 @@ def deepspeed_adam(numel: int) -> Callable[[], None] | None:
     return step
 
 
+def copy(numel: int) -> Callable[[], None]:
+    source, target = torch.randn(numel * 7 // 2), torch.empty(numel * 7 // 2)
+    return lambda: target.copy_(source)
+
+
+def variants(numel: int) -> dict[str, Variant]:
+    out: dict[str, Variant] = {
+        FUSED: (fused(numel), 28),
+        OURS: (offloaded(numel, "bf16-mixed"), 28),
+        "trainkit bf16 in, over the gradient (GPU)": (in_place(numel), 28),
+        "trainkit fp32 in, fp32 out (precision 32)": (offloaded(numel, "32"), 32),
+        "trainkit on torch's kernels (no compiler)": (in_place(numel, fallback=True), 40),
+    }
+    ds = deepspeed_adam(numel)
+    if ds is not None:
+        out[DS] = (ds, 34)
+    out["plain copy of 28 bytes a parameter"] = (copy(numel), 28)
+    return out
+
+
 def timed(fn: Callable[[], None], steps: int) -> float:
     start = time.perf_counter()
     for _ in range(steps):
@@ -77,39 +132,46 @@ def timed(fn: Callable[[], None], steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def measure(numel: int, threads: int, rounds: int, steps: int) -> dict[str, float]:
+    torch.set_num_threads(threads)
+    found = variants(numel)
+    for fn, _ in found.values():
+        fn()  # optimizer state allocation, first touch of every page
+    samples: dict[str, list[float]] = {name: [] for name in found}
+    for _ in range(rounds):
+        for name, (fn, _) in found.items():
+            samples[name].append(timed(fn, steps))
+    rates = {name: numel / statistics.median(s) for name, s in samples.items()}
+    print(f"\n{numel / 2**20:.0f}M parameters, {threads} thread(s), median of {rounds} rounds x {steps} steps")
+    print(f"{'step':<46}{'ms':>8}{'Mparams/s':>11}{'GB/s':>7}{'vs torch':>10}{'vs DS':>8}")
+    for name, rate in rates.items():
+        vs_ds = f"{rate / rates[DS]:>8.3f}" if DS in rates else f"{'-':>8}"
+        print(f"{name:<46}{numel / rate * 1e3:>8.2f}{rate / 1e6:>11.0f}{rate * found[name][1] / 1e9:>7.1f}"
+              f"{rate / rates[FUSED]:>10.3f}{vs_ds}")
+    return rates
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--numel", default="16M,64M", help="parameter counts, comma-separated (16M, 1G, ...)")
+    parser.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    numel = 2**20 if args.smoke else 2**24
-    rounds, steps = (2, 2) if args.smoke else (args.rounds, 5)
-    ours32, n = offloaded(numel, "32")
-    ours16, _ = offloaded(numel, "bf16-mixed")
-    variants = {
-        "torch AdamW(fused=True), fp32 in/out": reference(numel),
-        "trainkit zero_offload step (32)": ours32,
-        "trainkit zero_offload step (bf16 in, bf16 out)": ours16,
-    }
-    ds = deepspeed_adam(numel)
-    if ds is not None:
-        variants["DeepSpeedCPUAdam fp32 + bf16 copy"] = ds
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    for fn in variants.values():
-        fn()  # optimizer state allocation
-    for _ in range(rounds):
-        for name, fn in variants.items():
-            samples[name].append(timed(fn, steps))
-    t = {name: statistics.median(s) for name, s in samples.items()}
-    ref = t["torch AdamW(fused=True), fp32 in/out"]
-    print(f"{n / 1e6:.1f}M parameters, {args.threads} thread(s), median of {rounds} rounds x {steps} steps"
-          + ("" if ds is not None else "; DeepSpeed not installed"))
-    print(f"{'step':<48}{'ms':>8}{'Mparams/s':>11}{'vs torch':>10}{'vs DS':>8}")
-    for name, value in t.items():
-        vs_ds = f"{t['DeepSpeedCPUAdam fp32 + bf16 copy'] / value:>8.3f}" if ds is not None else ""
-        print(f"{name:<48}{value * 1e3:>8.2f}{n / value / 1e6:>11.0f}{ref / value:>10.3f}{vs_ds}")
+    sizes = [2**20] if args.smoke else [size(n) for n in args.numel.split(",")]
+    threads = [int(t) for t in args.threads.split(",")]
+    rounds, steps = (2, 2) if args.smoke else (args.rounds, args.steps)
+    kernel = "compiled kernel" if host_adam_module.uses_kernel() else f"torch's kernels ({native.why_not('host_adam')})"
+    print(f"trainkit's host step runs: {kernel}" + ("" if importlib.util.find_spec("deepspeed")
+                                                     else "; DeepSpeed not installed"))
+    for numel in sizes:
+        results = {t: measure(numel, t, rounds, steps) for t in threads}
+        if len(threads) > 1:
+            base = results[threads[0]]
+            print(f"gain over {threads[0]} thread(s), {numel / 2**20:.0f}M: " + "; ".join(
+                f"{name.split(',')[0]}: " + ", ".join(f"{t}: {results[t][name] / base[name]:.2f}x" for t in threads[1:])
+                for name in base))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Everything that only a GPU machine can check, in one command, ending in a table to paste into docs/gpu.md.
 
-    python benchmarks/gpu_check.py            # every check (about 15 minutes on one H100, 5.4B offload included)
-    python benchmarks/gpu_check.py --quick    # without the 5.4B offload comparison (about 5 minutes)
+    python benchmarks/gpu_check.py                  # every check (about 15 minutes on one H100, 5.4B offload included)
+    python benchmarks/gpu_check.py --quick          # without the 5.4B offload comparison (about 5 minutes)
+    python benchmarks/gpu_check.py --offload-only   # only the 5.4B offload comparison, with phases and timeline (~7 min)
 
 What it runs, each as its own process (a failure is a row, not the end of the run):
 
@@ -12,8 +13,9 @@ What it runs, each as its own process (a failure is a row, not the end of the ru
   Markov entropy floor and its time per step;
 - every strategy at one rank on the demo GPT in bf16-mixed and 16-mixed (loss scaling): it trains, validates and
   prints the same kind of loss;
-- ZeRO-Offload at 5.4B parameters beside DeepSpeed's ZeRO-2 offload when DeepSpeed is installed
-  (``benchmarks/offload.py --gpu``);
+- ZeRO-Offload at 5.4B parameters beside DeepSpeed's ZeRO-2 offload when DeepSpeed is installed, each in a process
+  of its own, with trainkit's phases and the timeline of its host steps against backward
+  (``benchmarks/offload.py --gpu --shapes gpt-5.4B --phases``);
 - with two GPUs or more: every strategy on NCCL, and the pipeline's four schedules (one rank per GPU).
 
 Nothing here asserts a speed; the table records what was seen.
@@ -73,6 +75,7 @@ def _last_error(out: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="leave out the 5.4B offload comparison")
+    parser.add_argument("--offload-only", action="store_true", help="only the 5.4B offload comparison")
     parser.add_argument("--out", type=Path, default=Path("gpu_check"), help="where runs write their files")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -84,6 +87,10 @@ def main() -> None:
     def row(check: str, result: str, detail: str) -> None:
         rows.append((check, result, detail))
         print(f"{check:<48} {result:<5} {detail}", flush=True)
+
+    if args.offload_only:
+        row(*offload(args.out))
+        finish(gpus, rows)
 
     code, out, elapsed = run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests"], 1800)
     summary = re.findall(r"(\d+ (?:passed|failed|skipped|error)\w*)", out.strip().splitlines()[-1] if out else "")
@@ -100,10 +107,7 @@ def main() -> None:
                      steps=100))
 
     if not args.quick:
-        code, out, elapsed = run([sys.executable, "benchmarks/offload.py", "--gpu"], 3600)
-        lines = [line for line in out.splitlines() if "5.4B" in line or "ms" in line][-6:]
-        row("zero_offload 5.4B beside DeepSpeed", "pass" if code == 0 else "FAIL",
-            " / ".join(line.strip() for line in lines)[:400] or _last_error(out))
+        row(*offload(args.out))
 
     if gpus >= 2:
         for name in STRATEGIES[1:]:
@@ -118,6 +122,21 @@ def main() -> None:
     else:
         row("strategies on NCCL", "skip", f"{gpus} GPU visible: NCCL runs need two or more")
 
+    finish(gpus, rows)
+
+
+def offload(out: Path) -> tuple[str, str, str]:
+    """The 5.4B ZeRO-Offload comparison (``benchmarks/offload.py``), its rows kept whole in ``out/offload.*``."""
+    code, text, _ = run([sys.executable, "benchmarks/offload.py", "--gpu", "--shapes", "gpt-5.4B", "--phases",
+                         "--steps", "4", "--timeout", "300", "--json", str(out / "offload.json")], 470)
+    (out / "offload.txt").write_text(text)
+    print(text, flush=True)
+    lines = [line.strip() for line in text.splitlines() if "gpt-5.4B" in line or "phases" in line]
+    return ("zero_offload 5.4B beside DeepSpeed", "pass" if code == 0 and lines else "FAIL",
+            " / ".join(lines)[:600] or _last_error(text))
+
+
+def finish(gpus: int, rows: list[tuple[str, str, str]]) -> None:
     name = torch.cuda.get_device_name(0)
     print(f"\n{gpus} x {name}, torch {torch.__version__}, CUDA {torch.version.cuda}\n")
     print("| check | result | detail |\n|---|---|---|")

@@ -11,18 +11,30 @@ DeepSpeed is a reference only: the script skips it, saying so, when it is not in
     python benchmarks/offload.py                  # CPU, 1 and 2 ranks (~2 min)
     python benchmarks/offload.py --smoke          # tiny, what CI runs
     python benchmarks/offload.py --gpu            # on a CUDA machine: 124M and 5.4B
+    python benchmarks/offload.py --gpu --shapes gpt-5.4B --phases   # + trainkit's phases and host-step timeline
+    python benchmarks/offload.py --gpu --shapes gpt-tiny --device cpu --phases   # a dry run of the above here
+
+On the GPU each variant runs in a process of its own (its host RSS is then its own), builds the model in host
+memory, and reports its setup time, the median step after 3 warm-up steps (synchronised, 2 x ``--steps`` steps),
+the peak allocated and reserved device memory over those steps, and its peak RSS. ``--phases`` adds trainkit's
+step cut into forward, backward, reduce_gradients, optimizer_step and zero_grad (each synchronised, median of
+``--steps``) and the timeline of one step: when each host run started and ended against backward's start and end.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +49,7 @@ from trainkit_strategies.comm import Comm
 Step = Callable[[], None]
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 GPT_SHAPES = {  # name -> (GPTConfig kwargs, batch, sequence)
+    "gpt-tiny": (dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64), 2, 64),  # a dry run on the CPU
     "gpt-124M": (dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768), 8, 1024),
     "gpt-5.4B": (dict(vocab_size=50304, block_size=1024, n_layer=26, n_head=32, n_embd=4096), 1, 1024),
 }
@@ -48,14 +61,18 @@ def mlp(width: int, hidden: int, blocks: int) -> nn.Module:
                            for _ in range(blocks)])
 
 
-def trainkit_variant(model: nn.Module, env: Environment, batch: Callable[[], tuple], loss_fn: Callable) -> Step:
-    strategy = get_strategy("zero_offload")
+def trainkit_variant(model: nn.Module, env: Environment, batch: Callable[[], tuple], loss_fn: Callable,
+                     strategy: Any = None) -> Step:
+    """trainkit's step as the Trainer takes it with no clipping and no loss scaling: each bucket steps on the host as
+    soon as its gradients land (unless ``overlap_step=False``)."""
+    strategy = strategy or get_strategy("zero_offload")
     strategy.setup_environment(env, Comm(env.world_size, env.rank, device=env.device) if env.world_size > 1 else None)
     strategy.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4), Precision.from_name("bf16-mixed"))
 
     def step() -> None:
         with strategy.forward_context():
             loss = loss_fn(model, *batch())
+        strategy.step_in_backward(1.0 / env.world_size)
         strategy.backward(loss)
         strategy.reduce_gradients(1.0 / env.world_size)
         strategy.optimizer_step()
@@ -175,36 +192,146 @@ def cpu(args: argparse.Namespace) -> None:
             print(line)
 
 
-def gpu(args: argparse.Namespace) -> None:
+def _variant_worker(args: argparse.Namespace) -> None:
+    """One variant on one shape, alone in this process (so that its host memory is its own): setup time, median step,
+    peak device memory, host RSS, and for trainkit the step's phases and when its host steps ran."""
+    device = torch.device(args.device)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    device = torch.device("cuda", 0)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
     env = Environment(device=device)
-    names = ["trainkit zero_offload"] + (["DeepSpeed ZeRO-2 offload"] if HAS_DEEPSPEED else [])
-    for label, (config, micro, seq) in GPT_SHAPES.items():
-        idx = torch.randint(0, config["vocab_size"], (micro, seq + 1), device=device)
+    config, micro, seq = GPT_SHAPES[args.shape]
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    idx = torch.randint(0, config["vocab_size"], (micro, seq + 1), device=device)
+    batch = lambda: (idx[:, :-1], idx[:, 1:])
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(**config))
+    params = sum(p.numel() for p in model.parameters())
+    start = time.perf_counter()
+    if args.variant.startswith("trainkit"):
+        strategy = get_strategy("zero_offload", overlap_step="after backward" not in args.variant)
+        step = trainkit_variant(model, env, batch, lm_loss, strategy)
+    else:
+        step = deepspeed_variant(model, micro, batch, lm_loss)
+    sync()
+    result: dict = {"variant": args.variant, "shape": args.shape, "params": params,
+                    "setup_s": time.perf_counter() - start}
+    for _ in range(3):
+        step()
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.steps * 2):
+        sync()
+        begin = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - begin)
+    result["step_ms"] = statistics.median(times) * 1e3
+    if cuda:
+        result["peak_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        result["peak_reserved_gb"] = torch.cuda.max_memory_reserved() / 1e9
+    if args.phases and args.variant.startswith("trainkit"):
+        result |= _phases(strategy, model, batch, sync, args.steps)
+    result["host_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    print("RESULT " + json.dumps(result), flush=True)
+    _leave()
+
+
+def _phases(strategy: Any, model: nn.Module, batch: Callable[[], tuple], sync: Callable[[], None],
+            steps: int) -> dict:
+    """The step's phases, synchronised (median of ``steps``), and one step's timeline of host runs against backward."""
+    from trainkit_strategies.host_adam import HostAdam
+
+    runs: list[tuple[float, float, int]] = []
+    real = HostAdam.step
+
+    def timed_run(self: HostAdam, pieces: list, *rest: Any) -> None:
+        begin = time.perf_counter()
+        real(self, pieces, *rest)
+        runs.append((begin, time.perf_counter(), sum(p.numel() for p in pieces)))
+
+    HostAdam.step = timed_run  # type: ignore[method-assign]
+    phases: dict[str, list[float]] = {k: [] for k in ("forward", "backward", "reduce_gradients", "optimizer_step",
+                                                       "zero_grad")}
+    marks: dict[str, float] = {}
+    for _ in range(steps):
+        runs.clear()
+        sync()
+        t = time.perf_counter()
+        with strategy.forward_context():
+            loss = lm_loss(model, *batch())
+        sync()
+        marks["backward_start"] = now = time.perf_counter()
+        phases["forward"].append(now - t)
+        strategy.step_in_backward(1.0)  # as the Trainer does with nothing to wait for (no clipping, no fp16)
+        strategy.backward(loss)
+        sync()
+        marks["backward_end"] = now2 = time.perf_counter()
+        phases["backward"].append(now2 - now)
+        for name, fn in (("reduce_gradients", lambda: strategy.reduce_gradients(1.0)),
+                         ("optimizer_step", strategy.optimizer_step), ("zero_grad", strategy.zero_grad)):
+            t = time.perf_counter()
+            fn()
+            sync()
+            phases[name].append(time.perf_counter() - t)
+    HostAdam.step = real  # type: ignore[method-assign]
+    base, end = marks["backward_start"], marks["backward_end"]
+    during = [r for r in runs if r[0] < end]
+    return {
+        "phases_ms": {k: statistics.median(v) * 1e3 for k, v in phases.items()},
+        "timeline": {
+            "backward_ms": (end - base) * 1e3,
+            "host_runs": len(runs),
+            "runs_started_during_backward": len(during),
+            "elements_stepped_during_backward": sum(r[2] for r in during),
+            "elements": sum(r[2] for r in runs),
+            "first_run_start_ms": (min(r[0] for r in runs) - base) * 1e3 if runs else None,
+            "last_run_end_ms": (max(r[1] for r in runs) - base) * 1e3 if runs else None,
+            "runs_ms": [((r[0] - base) * 1e3, (r[1] - base) * 1e3, r[2]) for r in runs],
+        },
+    }
+
+
+def gpu(args: argparse.Namespace) -> None:
+    """Every variant on every shape asked for, each in its own process; a table of what they measured."""
+    names = args.variants.split(",") if args.variants else (
+        ["trainkit zero_offload"] + (["DeepSpeed ZeRO-2 offload"] if HAS_DEEPSPEED else []))
+    rows = []
+    for shape in args.shapes.split(","):
         for name in names:
-            torch.cuda.empty_cache()
-            torch.manual_seed(0)
-            model = TinyGPT(GPTConfig(**config))
-            batch = lambda idx=idx: (idx[:, :-1], idx[:, 1:])
-            step = (trainkit_variant(model, env, batch, lm_loss) if name.startswith("trainkit")
-                    else deepspeed_variant(model, micro, batch, lm_loss))
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            times = []
-            for _ in range(args.steps * 3):
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                step()
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
-            params = sum(p.numel() for p in model.parameters())
-            print(f"{label} ({params / 1e9:.2f}B)  {name:<28}{statistics.median(times) * 1e3:>9.1f} ms  "
-                  f"peak {torch.cuda.max_memory_allocated() / 1e9:.1f} GB", flush=True)
-            del step, model
+            command = [sys.executable, __file__, "--variant", name, "--shape", shape, "--steps", str(args.steps),
+                       "--device", args.device] + (["--phases"] if args.phases else [])
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+            found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+            if proc.returncode or not found:
+                print(f"{shape} {name}: FAILED (exit {proc.returncode}): {(proc.stdout + proc.stderr)[-1500:]}",
+                      flush=True)
+                continue
+            row = json.loads(found[-1][7:])
+            rows.append(row)
+            print(f"{shape} ({row['params'] / 1e9:.2f}B)  {name:<40}{row['step_ms']:>9.1f} ms  "
+                  f"peak {row.get('peak_allocated_gb', 0):.2f} GB (reserved {row.get('peak_reserved_gb', 0):.2f})  "
+                  f"host RSS {row['host_rss_gb']:.1f} GB  setup {row['setup_s']:.0f} s", flush=True)
+            if "phases_ms" in row:
+                print("  phases (ms): " + ", ".join(f"{k} {v:.0f}" for k, v in row["phases_ms"].items()))
+                line = row["timeline"]
+                print(f"  timeline: backward {line['backward_ms']:.0f} ms; {line['runs_started_during_backward']} of "
+                      f"{line['host_runs']} host runs ({line['elements_stepped_during_backward'] / 1e9:.2f}B of "
+                      f"{line['elements'] / 1e9:.2f}B parameters) started before backward ended; first at "
+                      f"{line['first_run_start_ms']:.0f} ms, last done at {line['last_run_end_ms']:.0f} ms", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    by_shape: dict[str, dict[str, dict]] = {}
+    for row in rows:
+        by_shape.setdefault(row["shape"], {})[row["variant"]] = row
+    for shape, found in by_shape.items():
+        ours, theirs = found.get("trainkit zero_offload"), found.get("DeepSpeed ZeRO-2 offload")
+        if ours and theirs:
+            print(f"{shape}: trainkit/DeepSpeed step {ours['step_ms'] / theirs['step_ms']:.3f}x, peak allocated "
+                  f"{ours.get('peak_allocated_gb', 0) / max(theirs.get('peak_allocated_gb', 0), 1e-9):.3f}x, host RSS "
+                  f"{ours['host_rss_gb'] / theirs['host_rss_gb']:.3f}x", flush=True)
 
 
 def main() -> None:
@@ -213,10 +340,21 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--shapes", default="gpt-124M,gpt-5.4B", help=f"--gpu: of {', '.join(GPT_SHAPES)}")
+    parser.add_argument("--variants", default="", help="--gpu: comma-separated (default: trainkit and DeepSpeed)")
+    parser.add_argument("--phases", action="store_true", help="--gpu: trainkit's phases and host-step timeline")
+    parser.add_argument("--device", default="cuda", help="--gpu: the device (cpu: a dry run of the GPU path)")
+    parser.add_argument("--timeout", type=float, default=900, help="--gpu: seconds per variant")
+    parser.add_argument("--json", default="", help="--gpu: write the rows here")
+    parser.add_argument("--variant", help=argparse.SUPPRESS)  # internal: run one variant in this process
+    parser.add_argument("--shape", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.smoke:
         args.rounds, args.steps = 1, 1
-    (gpu if args.gpu else cpu)(args)
+    if args.variant:
+        _variant_worker(args)
+    else:
+        (gpu if args.gpu else cpu)(args)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 from trainkit.dispatch import HookDispatch
 from trainkit.optim import OptimizerConfig
 from trainkit.utils import infer_batch_size
-from trainkit_strategies import DynamicLossScaler, RunsSchedule, Strategy
+from trainkit_strategies import DynamicLossScaler, RunsSchedule, StepsInBackward, Strategy
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,11 @@ class OptimizerStep:
         self.timing = {"forward_backward": 0.0, "optimizer": 0.0}  # seconds in the last closed window
         self._count: Any = 0  # micro-batches (plain losses) or items (num_items) in the window
         self._item_weighted = False
+        self._boundary = False  # the micro-batch running is its window's last
+        self._early_scale: Any = None  # the window's scale, when the strategy took it to step during backward
+        # a strategy may step during the window's last backward when nothing needs the gradients before the step
+        self._steps_early = (isinstance(strategy, StepsInBackward) and scaler is None and config.gradient_clip_val
+                             is None and not hooks.fns("on_before_optimizer_step"))
         self._forward_backward = self._scheduled if isinstance(strategy, RunsSchedule) else self._training_step
 
     # -- micro-batches -------------------------------------------------------------------------------
@@ -99,6 +104,7 @@ class OptimizerStep:
         start = time.perf_counter()
         if self.window == 0:
             self.timing["forward_backward"] = 0.0
+        self._boundary = boundary
         try:
             with nullcontext() if boundary else self.strategy.no_sync():
                 return self._forward_backward(module, batch, batch_idx)
@@ -131,6 +137,10 @@ class OptimizerStep:
             weight = weight * self.scaler.scale
         for fn in self.hooks.fns("on_before_backward"):
             fn(loss)
+        if self._boundary and self._steps_early:
+            scale = self._window_scale(self._count)
+            if strategy.step_in_backward(scale):  # type: ignore[attr-defined]
+                self._early_scale = scale
         strategy.backward(loss * weight if not (isinstance(weight, float) and weight == 1.0) else loss)
         for fn in self.hooks.fns("on_after_backward"):
             fn()
@@ -179,14 +189,9 @@ class OptimizerStep:
     def _step(self) -> bool:
         strategy = self.strategy
         count, self.window, self._count = self._count, 0, 0
-        assert self.items_norm is not None
-        if isinstance(count, Tensor) or (strategy.world_size > 1 and (self._item_weighted or not self.equal_batches)):
-            total = strategy.reduce(_on_device(count, strategy.device), "sum")
-            scale: Any = (self.items_norm / total.clamp(min=1)).float()
-        else:  # one rank, or as many samples on every rank that counts items
-            scale = self.items_norm / max(float(count) * strategy.item_ranks, 1.0)
-        if self.scaler is not None:
-            scale = scale / self.scaler.scale
+        scale, self._early_scale = self._early_scale, None
+        if scale is None:
+            scale = self._window_scale(count)
         strategy.reduce_gradients(scale)
         optimizer = strategy.optimizer
         norm = None
@@ -209,6 +214,20 @@ class OptimizerStep:
             fn(optimizer)
         strategy.zero_grad()
         return not skip
+
+    def _window_scale(self, count: Any) -> Any:
+        """``c / N`` for a window that counted ``count`` here (summed over the ranks where it must be), with the loss
+        scaler's unscale folded in."""
+        strategy = self.strategy
+        assert self.items_norm is not None
+        if isinstance(count, Tensor) or (strategy.world_size > 1 and (self._item_weighted or not self.equal_batches)):
+            total = strategy.reduce(_on_device(count, strategy.device), "sum")
+            scale: Any = (self.items_norm / total.clamp(min=1)).float()
+        else:  # one rank, or as many samples on every rank that counts items
+            scale = self.items_norm / max(float(count) * strategy.item_ranks, 1.0)
+        if self.scaler is not None:
+            scale = scale / self.scaler.scale
+        return scale
 
     def step_scheduler(self, interval: str, count: int, metrics: Callable[[], dict[str, float]]) -> None:
         """Step the LR scheduler if it runs on this ``interval`` ("step" or "epoch") and ``count`` hits its

@@ -1,6 +1,6 @@
 """trainkit's distributed strategies, on torch.distributed collectives. Never imports trainkit."""
 
-from trainkit_strategies.base import RunsSchedule, SelfReducing, ShardedInit, Strategy
+from trainkit_strategies.base import RunsSchedule, SelfReducing, ShardedInit, StepsInBackward, Strategy
 from trainkit_strategies.data_parallel.single import SingleStrategy
 from trainkit_strategies.environment import Environment
 from trainkit_strategies.memory import ActivationMeter, MemoryReport
@@ -17,6 +17,7 @@ __all__ = [
     "SelfReducing",
     "ShardedInit",
     "SingleStrategy",
+    "StepsInBackward",
     "Strategy",
     "available",
     "get_strategy",

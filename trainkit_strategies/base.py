@@ -496,6 +496,18 @@ def check_optimizer(strategy: Strategy, optimizer: Optimizer | None) -> None:
         )
 
 
+class StepsInBackward(ABC):
+    """The strategy can take the optimizer step during the window's last backward, bucket by bucket as each bucket's
+    gradients are reduced (ZeRO-Offload's host step), when it knows the gradient multiplier before that backward and
+    nothing needs the gradients before the step (no clipping by norm, no overflow check, no hook that reads them)."""
+
+    @abstractmethod
+    def step_in_backward(self, scale: float | Tensor) -> bool:
+        """Called just before the window's last backward with the ``scale`` ``reduce_gradients`` will receive.
+        Returns whether the step will run during that backward; ``reduce_gradients(scale)`` and ``optimizer_step()``
+        are then called as usual and finish it (the gradients are spent by then)."""
+
+
 class ShardedInit(ABC):
     """The strategy can build the model on the meta device and materialise only this rank's shards."""
 

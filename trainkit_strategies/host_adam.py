@@ -1,115 +1,203 @@
-"""The host half of an offloaded step: torch's fused CPU Adam/AdamW, run in cache-sized chunks.
+"""The host half of an offloaded step: Adam/AdamW over runs of master pieces in host memory, one pass per run.
 
-Under offload the gradients arrive in the compute dtype (bf16, say), the fp32 master weights and Adam
-moments live in host memory, and the GPU wants its parameters back in the compute dtype. Converting the
-whole gradient to fp32 first, stepping, then converting the whole master back costs two extra passes
-over memory, which is what made the offloaded step slow: per chunk, the gradient is converted into a
-small fp32 scratch that stays in cache, the fused kernel steps the chunk of master and moments, and the
-chunk of the updated master is written out in the compute dtype while it is still in cache. Memory
-traffic is then what the plain fused step moves (read 2 + 12 bytes, write 12 + 2 bytes a parameter),
-the conversions ride along. The loss-scale undo, normalisation and clip factor reach the kernel as its
-``grad_scale`` (it divides by it), so the gradient is never rewritten either.
+Under offload the gradients reach the host in the compute dtype (bf16, say), the fp32 master weights and Adam moments
+live in host memory, and the device wants its parameters back in the compute dtype. Per parameter that is memory
+traffic, about 28 bytes, and nothing else: the step reads the gradient, master and moments and writes master,
+moments and the compute-dtype copy in one pass (``csrc/host_adam.c``, built on first use by ``native.py``), on every
+core, in one call per run of pieces that lie end to end in host memory, with the GIL released. The compute-dtype copy
+may be written over the gradient it came from, so no buffer of its own is needed to send it back.
 
-The arithmetic is torch's own kernel on each chunk, so the result is bitwise the unchunked fused step's.
+The moments are flat too: per flat of master pieces, one ``exp_avg`` and one ``exp_avg_sq`` (and ``max_exp_avg_sq``
+under amsgrad), whose views are each piece's state in ``optimizer.state``, where checkpoints read and write them, and
+the pieces of a flat share one ``step`` tensor. State that arrives from elsewhere (``optimizer.load_state_dict``)
+is copied into the flats at the next step.
+
+Where no C compiler works, each run steps with torch's fused kernel in slices (the gradient converted into a
+scratch slice, the update, the compute-dtype copy: three passes over a slice instead of one).
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
+import ctypes
+import itertools
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-CHUNK = 1 << 18  # elements: a 1 MiB fp32 scratch (fits L2 with the chunk of the master it meets)
+from trainkit_strategies import native
+
+_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_DECOUPLED, _AMSGRAD, _MAXIMIZE = 1, 2, 4
+SLICE = 1 << 22  # elements per call of torch's kernels on the fallback path (a 16 MiB fp32 scratch)
 
 
-def chunked_adam_supported(optimizer: Optimizer) -> bool:
-    """Whether ``optimizer`` is Adam or AdamW that torch's fused CPU kernel runs (the chunked path)."""
-    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and not any(
+def supported(optimizer: Optimizer, master_dtype: torch.dtype = torch.float32) -> bool:
+    """Whether ``optimizer`` is an Adam or AdamW the host step runs (the offload path) on fp32 master weights."""
+    return master_dtype == torch.float32 and isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and not any(
         g.get("differentiable", False) for g in optimizer.param_groups)
+
+
+def _kernel() -> ctypes._CFuncPtr | None:
+    library = native.load("host_adam")
+    if library is None:
+        return None
+    fn = library.tk_adam_step
+    if fn.argtypes is None:
+        ptr = ctypes.c_void_p
+        fn.argtypes = [ptr, ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int64, ptr, ctypes.c_int,
+                       ctypes.c_int]
+        fn.restype = ctypes.c_int
+    return fn
+
+
+def uses_kernel() -> bool:
+    """Whether host steps run the compiled kernel (else torch's kernels; ``native.why_not("host_adam")`` says why)."""
+    return _kernel() is not None
+
+
+def follows(a: Tensor, b: Tensor) -> bool:
+    """Whether ``b`` starts where ``a`` ends in memory (same dtype, both contiguous): they can step as one run."""
+    return (a.dtype == b.dtype and a.device == b.device and a.is_contiguous() and b.is_contiguous()
+            and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() and not a.is_meta)
+
+
+def _lies_end_to_end(tensors: list[Tensor]) -> bool:
+    return all(follows(a, b) for a, b in itertools.pairwise(tensors))
+
+
+@dataclass(eq=False)
+class _Flat:
+    """One flat of master pieces and its moments (allocated at the first step, as torch allocates its state)."""
+
+    master: Tensor
+    group: int
+    pieces: list[tuple[Tensor, int]]  # (piece, offset in ``master``)
+    moments: dict[str, Tensor] = field(default_factory=dict)  # "exp_avg", "exp_avg_sq", "max_exp_avg_sq"
+    step: Tensor | None = None
+    count: float = 0.0  # the step being taken
+
+
+class HostAdam:
+    """Adam/AdamW of ``optimizer`` for master pieces laid out in host ``flats``: ``(flat, param group, [(piece,
+    offset)])``. ``begin`` starts an optimizer step; ``step`` then updates any run of adjacent pieces."""
+
+    def __init__(self, optimizer: Optimizer, flats: list[tuple[Tensor, int, list[tuple[Tensor, int]]]]) -> None:
+        if not supported(optimizer):
+            raise TypeError(f"HostAdam needs torch.optim.Adam or AdamW; got {type(optimizer).__name__}.")
+        self.optimizer = optimizer
+        self.flats = [_Flat(master, group, pieces) for master, group, pieces in flats]
+        self._flat_of = {id(piece): flat for flat in self.flats for piece, _ in flat.pieces}
+        self.mult = 1.0
+        self.threads = 1
+        self._hyper: dict[int, tuple[ctypes.Array, int]] = {}  # per flat, the kernel's arguments for this step
+        self._scratch: Tensor | None = None
+
+    def flat_of(self, piece: Tensor) -> _Flat:
+        """The flat ``piece`` lies in (pieces of different flats never share a run)."""
+        return self._flat_of[id(piece)]
+
+    def begin(self, mult: float, threads: int) -> None:
+        """Start an optimizer step: gradients will be multiplied by ``mult``; each call uses ``threads`` cores."""
+        self.mult, self.threads = float(mult), max(1, threads)
+        self._hyper.clear()
+        for flat in self.flats:
+            group = self.optimizer.param_groups[flat.group]
+            self._adopt(flat, group)
+            assert flat.step is not None
+            flat.step += 1
+            flat.count = 1.0 if flat.master.is_meta else float(flat.step)
+            beta1, beta2 = (float(b) for b in group["betas"])
+            flags = (_DECOUPLED if _decoupled(self.optimizer, group) else 0) | \
+                (_AMSGRAD if group.get("amsgrad", False) else 0) | (_MAXIMIZE if group.get("maximize", False) else 0)
+            hyper = (ctypes.c_double * 7)(float(group["lr"]), beta1, beta2, float(group["eps"]),
+                                          float(group["weight_decay"]), flat.count, self.mult)
+            self._hyper[id(flat)] = (hyper, flags)
+
+    def step(self, pieces: list[Tensor], grads: list[Tensor], outs: list[Tensor] | None = None) -> None:
+        """Update ``pieces`` (adjacent in one flat) from ``grads`` (adjacent, any float dtype), writing the updated
+        pieces into ``outs`` (adjacent; may be ``grads`` themselves) if given."""
+        flat = self._flat_of[id(pieces[0])]
+        if flat.master.is_meta:  # planned on the meta device (trainkit estimate): the state exists, no values
+            return
+        if not (_lies_end_to_end(pieces) and _lies_end_to_end(grads) and (outs is None or _lies_end_to_end(outs))):
+            raise ValueError("HostAdam.step takes pieces, gradients and outputs that each lie end to end.")
+        n = sum(p.numel() for p in pieces)
+        lo = (pieces[0].data_ptr() - flat.master.data_ptr()) // flat.master.element_size()
+        grad, out = grads[0], outs[0] if outs else None
+        hyper, flags = self._hyper[id(flat)]
+        kernel = _kernel()
+        with torch.profiler.record_function("trainkit::host_adam"):
+            if kernel is not None and grad.dtype in _CODES and (out is None or out.dtype in _CODES):
+                at = lambda name: flat.moments[name].data_ptr() + 4 * lo if name in flat.moments else None
+                code = kernel(pieces[0].data_ptr(), grad.data_ptr(), _CODES[grad.dtype], at("exp_avg"),
+                              at("exp_avg_sq"), at("max_exp_avg_sq"), out.data_ptr() if out is not None else None,
+                              _CODES[out.dtype] if out is not None else -1, n, hyper, flags, self.threads)
+                if code:
+                    raise RuntimeError(f"host_adam rejected gradient {grad.dtype} / output {out and out.dtype}.")
+            else:
+                whole = lambda t: t.as_strided((n,), (1,), t.storage_offset())
+                self._torch_step(flat, flat.master[lo : lo + n], whole(grad),
+                                 {k: v[lo : lo + n] for k, v in flat.moments.items()},
+                                 whole(out) if out is not None else None)
+
+    def _torch_step(self, flat: _Flat, master: Tensor, grad: Tensor, moments: dict[str, Tensor],
+                    out: Tensor | None) -> None:
+        """The same step with torch's fused kernel, slice by slice (no compiler here)."""
+        group = self.optimizer.param_groups[flat.group]
+        op = torch._fused_adamw_ if _decoupled(self.optimizer, group) else torch._fused_adam_
+        beta1, beta2 = (float(b) for b in group["betas"])
+        unscale = None if self.mult == 1.0 else torch.tensor([1.0 / self.mult], dtype=torch.float32)
+        step = torch.tensor(flat.count, dtype=torch.float32)
+        options = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, weight_decay=float(group["weight_decay"]),
+                       eps=float(group["eps"]), amsgrad=bool(group.get("amsgrad", False)),
+                       maximize=bool(group.get("maximize", False)), grad_scale=unscale)
+        if self._scratch is None:
+            self._scratch = torch.empty(SLICE, dtype=torch.float32)
+        maxes = moments.get("max_exp_avg_sq")
+        for lo in range(0, master.numel(), SLICE):
+            hi = min(master.numel(), lo + SLICE)
+            g = grad[lo:hi] if grad.dtype == torch.float32 else self._scratch[: hi - lo].copy_(grad[lo:hi])
+            op([master[lo:hi]], [g], [moments["exp_avg"][lo:hi]], [moments["exp_avg_sq"][lo:hi]],
+               [maxes[lo:hi]] if maxes is not None else [], [step], **options)
+            if out is not None:
+                out[lo:hi].copy_(master[lo:hi])
+
+    def _adopt(self, flat: _Flat, group: dict) -> None:
+        """Make every piece's state views of the flat's moments and one shared step, keeping values found there
+        (a fresh piece starts from zeros, as torch's Adam does)."""
+        names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad", False) else [])
+        for name in names:
+            if name not in flat.moments:
+                flat.moments[name] = torch.zeros_like(flat.master)
+        state = self.optimizer.state
+        if flat.step is None:
+            flat.step = torch.zeros((), dtype=torch.float32, device=flat.master.device)
+        counts = [float(state[p]["step"]) for p, _ in flat.pieces if state.get(p) and state[p].get("step") is not None
+                  and state[p]["step"] is not flat.step]
+        if counts:
+            flat.step.fill_(max(counts))
+        size = flat.master.element_size()
+        for piece, offset in flat.pieces:
+            mine = state.get(piece, {})
+            if mine.get("step") is flat.step and all(
+                    name in mine and mine[name].data_ptr() == flat.moments[name].data_ptr() + offset * size
+                    for name in names):
+                continue  # the steady state: nothing to look at but pointers
+            for name in names:
+                view = flat.moments[name][offset : offset + piece.numel()].view_as(piece)
+                held = mine.get(name)
+                if held is not None and held.data_ptr() == view.data_ptr():
+                    continue
+                if held is not None and held.numel() == view.numel():
+                    view.copy_(held)
+                elif not flat.master.is_meta:
+                    view.zero_()  # a piece without state starts afresh, as under torch's Adam
+                mine[name] = view
+            mine["step"] = flat.step
+            state[piece] = mine
 
 
 def _decoupled(optimizer: Optimizer, group: dict) -> bool:
     return bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
-
-
-def _state(optimizer: Optimizer, group: dict, master: Tensor) -> dict:
-    """The master's Adam state, created as torch's fused Adam creates it (so checkpoints do not care)."""
-    state = optimizer.state[master]
-    if not state:
-        state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
-        state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-        if group.get("amsgrad", False):
-            state["max_exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-    return state
-
-
-class ChunkedAdam:
-    """Steps host master pieces of an Adam/AdamW optimizer from low-precision gradients, writing a
-    low-precision copy of the result, chunk by chunk (see the module docstring).
-
-    With ``workers > 1`` the chunks are shared among that many threads, each running torch's kernels on one
-    core (intra-op threads are set to 1 for the step and restored after): a chunk's conversion, update and
-    copy then stay in that core's cache, which measured faster than every kernel split across all cores.
-    Only for a step nothing else computes during (not the delayed update, which overlaps the next step).
-    """
-
-    def __init__(self, optimizer: Optimizer, chunk: int = CHUNK, workers: int = 1) -> None:
-        if not chunked_adam_supported(optimizer):
-            raise TypeError(f"ChunkedAdam needs torch.optim.Adam or AdamW; got {type(optimizer).__name__}.")
-        self.optimizer, self.chunk, self.workers = optimizer, chunk, max(1, workers)
-        self._scratch: list[Tensor] = []
-        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="trainkit-host-adam") \
-            if self.workers > 1 else None
-
-    @torch.no_grad()
-    def step(self, group: dict, master: Tensor, grad: Tensor, out: Tensor | None = None,
-             mult: float | Tensor = 1.0) -> None:
-        """One Adam(W) step of ``master`` (fp32, host) with ``grad * mult`` (any float dtype, host); then
-        ``out`` (same numel) receives the updated master in its own dtype."""
-        state = _state(self.optimizer, group, master)
-        if master.is_meta:  # a strategy planned on the meta device (trainkit estimate): the state exists, no values
-            return
-        state["step"].add_(1)
-        unscale = None
-        if not (isinstance(mult, float | int) and mult == 1.0):
-            unscale = (1.0 / torch.as_tensor(mult, dtype=torch.float32)).to("cpu").reshape(1)
-        if out is not None and out.data_ptr() == master.data_ptr():
-            out = None  # the master is its own working copy
-        tensors = [master.view(-1), grad.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
-                   state["max_exp_avg_sq"].view(-1) if "max_exp_avg_sq" in state else None,
-                   out.view(-1) if out is not None else None]
-        ranges = [(lo, min(master.numel(), lo + self.chunk)) for lo in range(0, master.numel(), self.chunk)]
-        workers = min(self.workers, len(ranges))
-        while len(self._scratch) < workers:
-            self._scratch.append(torch.empty(self.chunk, dtype=torch.float32, device="cpu"))
-        run = partial(self._chunks, group, tensors, state["step"], unscale)
-        if workers == 1 or self._pool is None:
-            run(ranges, self._scratch[0])
-            return
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            list(self._pool.map(run, [ranges[w::workers] for w in range(workers)], self._scratch[:workers]))
-        finally:
-            torch.set_num_threads(threads)
-
-    def _chunks(self, group: dict, tensors: list, step: Tensor, unscale: Tensor | None,
-                ranges: list[tuple[int, int]], scratch: Tensor) -> None:
-        master, grad, avg, avg_sq, maxes, out = tensors
-        op = torch._fused_adamw_ if _decoupled(self.optimizer, group) else torch._fused_adam_
-        beta1, beta2 = (float(b) for b in group["betas"])
-        options = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, weight_decay=float(group["weight_decay"]),
-                       eps=float(group["eps"]), amsgrad=maxes is not None, maximize=bool(group.get("maximize", False)),
-                       grad_scale=unscale)
-        for lo, hi in ranges:
-            g = grad[lo:hi]
-            if g.dtype != master.dtype:
-                g = scratch[: hi - lo].copy_(g)  # converted in cache
-            op([master[lo:hi]], [g], [avg[lo:hi]], [avg_sq[lo:hi]], [maxes[lo:hi]] if maxes is not None else [],
-               [step], **options)
-            if out is not None:
-                out[lo:hi].copy_(master[lo:hi])  # written while the chunk is in cache

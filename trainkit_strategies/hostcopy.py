@@ -83,12 +83,15 @@ class CopyStream:
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
 
     @contextlib.contextmanager
-    def side(self) -> Iterator[None]:
-        """Run the copies issued inside on the side stream, after everything queued on the current stream."""
+    def side(self, after_current: bool = True) -> Iterator[None]:
+        """Run the copies issued inside on the side stream, after everything queued on the current stream (or, with
+        ``after_current=False``, after what the side stream already holds only: the caller has made sure on the host
+        that what the copies read and overwrite is ready)."""
         if self.stream is None:
             yield
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        if after_current:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             yield
 

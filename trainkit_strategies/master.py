@@ -3,8 +3,13 @@
 Every sharding strategy (ZeRO-1/2, ZeRO-3/FSDP) ends up with the same optimizer-side picture: for
 each ``FlatBucket`` this rank owns one piece, and the user's optimizer steps a master copy of that piece
 (fp32 under mixed precision). ``MasterShards`` allocates those pieces per optimizer param group, in one
-flat tensor per group and place (device first, then host under offload, split by ``ratio``), points
-the user's optimizer at them, hands them their gradients, and describes them for checkpoints.
+flat tensor per group and place (host first under offload, then the device for the last ``1 - ratio`` of the
+buckets), points the user's optimizer at them, hands them their gradients, and describes them for checkpoints.
+
+Host pieces of an Adam/AdamW optimizer step in runs of adjacent pieces (``host_adam.py``): ``start_host_step``, then
+``host_ready`` for each bucket whose gradient is in host memory (in bucket order, as backward delivers them, or
+all at once), then ``finish_host_step``. Each run's compute-dtype result goes to the device right after it on a copy
+stream, one bulk copy per bucket, written over the gradient it came from so that it needs no host buffer of its own.
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ from trainkit_strategies import state as st
 from trainkit_strategies.base import sharded_norm
 from trainkit_strategies.environment import Environment
 from trainkit_strategies.flat import FlatBucket
-from trainkit_strategies.host_adam import ChunkedAdam, chunked_adam_supported
-from trainkit_strategies.hostcopy import host_buffer, synchronize
+from trainkit_strategies.host_adam import HostAdam, follows, supported
+from trainkit_strategies.hostcopy import CopyStream, host_buffer, synchronize
 
 _FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
@@ -77,62 +82,75 @@ def transfer(dst: Tensor, src: Tensor) -> Tensor:
     return dst
 
 
+MIN_RUN = 1 << 22
+"""Elements: adjacent small buckets (biases, norms) are stepped together until their run holds this many; a bucket
+of at least this size steps alone, so that its parameters go back to the device while the next one steps."""
+
+
 class MasterShards:
     """Master pieces for ``buckets`` (each with ``group`` set), laid out group by group.
 
     Args:
-        buckets: every bucket, in a fixed order; ``bucket.shard_start`` is assigned here.
+        buckets: every bucket, in a fixed order (backward's); ``bucket.shard_start`` is assigned here.
         groups: number of optimizer param groups.
         dtype: master dtype.
         env: where the strategy runs (its device, and where host memory is).
-        offload: keep pieces in host memory (all but the first ``1 - ratio`` of each group's shard).
-        grad_dtype: the dtype gradients reach the step in when they are on the device; where host memory is
-            separate, host pieces get page-locked staging of that dtype (gradients cross the bus as they are and
-            are converted on the host). None: the gradients are in host memory already (ZeRO-Offload's partition).
-        low_dtype: the compute dtype; where host memory is separate, host pieces get page-locked buffers where the
-            step writes the updated piece in it, for one bulk copy back per bucket.
+        offload: keep pieces in host memory (all but the last ``1 - ratio`` of each group's buckets, the ones backward
+            produces last and forward needs first).
+        grad_dtype: the dtype gradients reach the step in.
+        host_grads: the gradients are in host memory already (ZeRO-Offload's partition); otherwise, where host memory
+            is separate, host pieces get page-locked staging of ``grad_dtype`` they cross the bus into.
+        low_dtype: the compute dtype. Where host memory is separate, the step writes each updated host piece in it over
+            its gradient, and a bucket's piece crosses back in one bulk copy; only when the gradient is of another
+            dtype does a host piece get a page-locked buffer of its own for that.
 
-    Master pieces and the optimizer's state never cross the bus, so they are ordinary host memory; only the two
-    kinds of staging are page-locked, each at its exact size (``hostcopy.host_buffer``).
+    Master pieces and the optimizer's state never cross the bus, so they are ordinary host memory; only what crosses
+    is page-locked, each buffer at its exact size (``hostcopy.host_buffer``).
     """
 
     def __init__(self, buckets: Sequence[FlatBucket], groups: int, dtype: torch.dtype, env: Environment,
                  offload: bool = False, ratio: float = 1.0, grad_dtype: torch.dtype | None = None,
-                 low_dtype: torch.dtype | None = None) -> None:
-        self.buckets, self.offload, self.env, self.device = list(buckets), offload, env, env.device
+                 low_dtype: torch.dtype | None = None, host_grads: bool = False) -> None:
+        self.buckets, self.offload, self.env, self.device, self.dtype = list(buckets), offload, env, env.device, dtype
         self.pieces: dict[int, Tensor] = {}
         self.on_host: set[int] = set()
         self.host_grad: dict[int, Tensor] = {}  # page-locked staging of gradients arriving from the device
-        self.host_low: dict[int, Tensor] = {}  # page-locked compute-dtype copies of updated host pieces
+        self.host_low: dict[int, Tensor] = {}  # page-locked compute-dtype copies, where the gradient's dtype differs
         self.flats: list[Tensor] = []  # every allocation, for memory reports
-        self._written: set[int] = set()  # buckets whose compute-dtype copy the last step wrote in place
-        self._staged: set[int] = set()  # buckets whose page-locked compute-dtype copy the last step wrote
-        self._chunked: ChunkedAdam | None = None
-        self.host_workers = torch.get_num_threads()  # threads for the host step (1 when it overlaps compute)
+        self._host_flats: list[tuple[Tensor, int, list[tuple[Tensor, int]]]] = []  # (flat, group, [(piece, offset)])
+        self._written: set[int] = set()  # buckets whose working copy the last step wrote in place
+        self._landing: dict[int, object] = {}  # buckets whose working copy is on its way up: the copy's event
+        self._staged: set[int] = set()  # buckets whose updated piece waits in ``host_low`` for ``write_low``
+        self._defer = False  # steps write ``host_low`` and leave the working copies alone (``add_low_buffers``)
+        self.adam: HostAdam | None = None
+        self.threads = torch.get_num_threads()  # cores a host step uses
+        self._uploads = CopyStream(env.device) if offload and env.host_is_separate else None
+        self._run: dict[int, list[tuple[FlatBucket, Tensor, Tensor | None, Tensor | None]]] = {}  # per flat, pending
         staged = offload and env.host_is_separate
         for g in range(groups):
             members = [b for b in self.buckets if b.group == g]
             total = sum(b.piece for b in members)
-            budget, on_device, shard = (1.0 - ratio) * total if offload else total, [], 0
+            budget, on_host, shard = ratio * total if offload else 0, [], 0
             for b in members:
                 b.shard_start, shard = shard, shard + b.piece
-                if not offload or sum(v.piece for v in on_device) + b.piece <= budget:
-                    on_device.append(b)
-            on_host = [b for b in members if b not in on_device]
-            for host, chosen in ((False, on_device), (True, on_host)):
+                if offload and sum(v.piece for v in on_host) + b.piece <= budget:
+                    on_host.append(b)
+            on_device = [b for b in members if b not in on_host]
+            for host, chosen in ((True, on_host), (False, on_device)):
                 size = sum(b.piece for b in chosen)
                 if not size:
                     continue
                 flat = host_buffer(size, dtype, env) if host else torch.zeros(size, dtype=dtype, device=self.device)
                 self.flats.append(flat)
                 extra = {}
-                if host and staged:
-                    for name, kind in (("grad", grad_dtype), ("low", low_dtype)):
-                        if kind is not None:
-                            extra[name] = host_buffer(size, kind, env, pinned=True)
-                offset = 0
+                if host and staged and not host_grads and grad_dtype is not None:
+                    extra["grad"] = host_buffer(size, grad_dtype, env, pinned=True)
+                if host and staged and low_dtype is not None and grad_dtype != low_dtype:
+                    extra["low"] = host_buffer(size, low_dtype, env, pinned=True)
+                offset, placed = 0, []
                 for b in chosen:
                     self.pieces[b.index] = flat[offset : offset + b.piece]
+                    placed.append((self.pieces[b.index], offset))
                     if host:
                         self.on_host.add(b.index)
                     if "grad" in extra:
@@ -140,13 +158,17 @@ class MasterShards:
                     if "low" in extra:
                         self.host_low[b.index] = extra["low"][offset : offset + b.piece]
                     offset += b.piece
+                if host:
+                    self._host_flats.append((flat, g, placed))
 
     def __getitem__(self, bucket: FlatBucket) -> Tensor:
         return self.pieces[bucket.index]
 
     def add_low_buffers(self, dtype: torch.dtype) -> None:
-        """Give host pieces compute-dtype buffers of their own if they have none: a step running beside the
-        forward (the delayed update) must not write the working parameters that forward reads."""
+        """Give host pieces compute-dtype buffers of their own and write steps there, for ``write_low`` to bring into
+        the working copies later: a step running beside the forward (the delayed update) must not write the
+        parameters that forward reads."""
+        self._defer = True
         for index in self.on_host - self.host_low.keys():
             self.host_low[index] = host_buffer(self.pieces[index].numel(), dtype, self.env)
 
@@ -160,19 +182,17 @@ class MasterShards:
             places = {p.device.type for p in group["params"]}
             if self.offload and isinstance(optimizer, _FUSED) and "fused" in group and places <= fusable:
                 group["fused"], group["foreach"] = True, False
-        self._chunked = ChunkedAdam(optimizer, workers=self.host_workers) \
-            if self.offload and chunked_adam_supported(optimizer) else None
+        self.adam = HostAdam(optimizer, self._host_flats) if self.offload and supported(optimizer, self.dtype) else None
 
     def step(self, optimizer: Optimizer, grad_of: Callable[[FlatBucket], Tensor], scale: float | Tensor = 1.0,
              low_of: Callable[[FlatBucket], Tensor] | None = None) -> None:
         """Give every piece its reduced gradient times ``scale`` and step.
 
-        Host pieces of an Adam/AdamW optimizer step chunk by chunk from their low-precision gradient
-        (``host_adam.py``), writing the updated piece in the compute dtype where ``low_of(bucket)`` says (its
-        working copy on a CPU device) or into a pinned buffer for ``write_low`` to copy to the GPU. Every other
-        piece gets its gradient converted to the master dtype and goes through ``optimizer.step()``.
+        Device pieces (and host pieces of an optimizer ``HostAdam`` does not run) get their gradient converted to the
+        master dtype and go through ``optimizer.step()``. Host pieces step in runs (``host_ready``), each bucket's
+        updated piece written into ``low_of(bucket)`` (its working copy, compute dtype): directly where host memory
+        is the device's, else by one bulk copy per bucket right after its run.
         """
-        chunked = self._chunked if self.offload else None
         grads: dict[int, Tensor] = {}
         crossed = False
         for b in self.buckets:
@@ -182,48 +202,111 @@ class MasterShards:
             grads[b.index] = grad
         if crossed:
             synchronize(self.device)  # the host reads what the copies wrote
-        stepped_by_torch = []
+        self.step_device(optimizer, grads, scale)
+        if self.adam is None:
+            return
+        self.start_host_step(float(scale))  # a device scalar: the host waits for it once
         for b in self.buckets:
-            if chunked is not None and b.index in self.on_host:
+            if b.index in self.on_host:
+                self.host_ready(b, grads[b.index], low_of(b) if low_of is not None else None)
+        self.finish_host_step()
+
+    def step_device(self, optimizer: Optimizer, grads: dict[int, Tensor], scale: float | Tensor) -> None:
+        """``optimizer.step()`` over the pieces ``HostAdam`` does not step, given their gradients."""
+        stepped = []
+        for b in self.buckets:
+            if b.index not in grads or (self.adam is not None and b.index in self.on_host):
                 continue
             piece = self.pieces[b.index]
             piece.grad = grads[b.index].to(device=piece.device, dtype=piece.dtype)
             if not (isinstance(scale, float | int) and scale == 1.0):
                 piece.grad.mul_(scale.to(piece.device) if isinstance(scale, Tensor) else scale)
-            stepped_by_torch.append(piece)
-        if stepped_by_torch:
-            optimizer.step()  # pieces without a gradient (the chunked ones) are left alone
-            for piece in stepped_by_torch:
+            stepped.append(piece)
+        if stepped:
+            optimizer.step()  # pieces without a gradient (the host's) are left alone
+            for piece in stepped:
                 piece.grad = None
-        if chunked is None:
-            return
-        for b in self.buckets:
-            if b.index in self.on_host:
-                out = self.host_low.get(b.index, low_of(b) if low_of is not None else None)
-                chunked.step(optimizer.param_groups[b.group], self.pieces[b.index], grads[b.index], out, scale)
-                if b.index in self.host_low:
-                    self._staged.add(b.index)
-                elif out is not None:
-                    self._written.add(b.index)
+
+    # -- the host step, a run at a time ---------------------------------------------------------------
+    def start_host_step(self, mult: float, threads: int | None = None) -> None:
+        """Begin a host step: gradients are multiplied by ``mult``; each run uses ``threads`` cores."""
+        assert self.adam is not None
+        self.adam.begin(mult, threads or self.threads)
+        self._run = {}
+
+    def host_ready(self, bucket: FlatBucket, grad: Tensor, target: Tensor | None) -> None:
+        """``bucket``'s gradient is in host memory (``grad``); its updated piece belongs in ``target``. It steps
+        with the adjacent buckets ready before it once their run is long enough, or at ``finish_host_step``."""
+        assert self.adam is not None
+        index = bucket.index
+        low = self.host_low.get(index)
+        if low is None and target is not None and target.data_ptr() != self.pieces[index].data_ptr():
+            low = grad if self.env.host_is_separate else target
+        flat = id(self.adam.flat_of(self.pieces[index]))
+        run = self._run.setdefault(flat, [])
+        entry = (bucket, grad, low, target)
+        if run and not _adjacent(run[-1], entry, self.pieces):
+            self._step_run(run)
+            run = self._run[flat] = []
+        run.append(entry)
+        if sum(e[0].piece for e in run) >= MIN_RUN:
+            self._step_run(run)
+            self._run[flat] = []
+
+    def finish_host_step(self) -> None:
+        """Step every run still waiting."""
+        for run in self._run.values():
+            if run:
+                self._step_run(run)
+        self._run = {}
+
+    def _step_run(self, run: list[tuple[FlatBucket, Tensor, Tensor | None, Tensor | None]]) -> None:
+        assert self.adam is not None
+        lows = [e[2] for e in run]
+        self.adam.step([self.pieces[e[0].index] for e in run], [e[1] for e in run],
+                       None if any(low is None for low in lows) else lows)  # type: ignore[arg-type]
+        for bucket, _, low, target in run:
+            if low is None:
+                continue
+            if self._defer:
+                self._staged.add(bucket.index)
+            elif low is target:
+                self._written.add(bucket.index)
+            else:  # host memory apart from the device's: up the bus on the copy stream, while the next run steps
+                assert self._uploads is not None and target is not None
+                with self._uploads.side(after_current=False):
+                    transfer(target, low)
+                    self._landing[bucket.index] = self._uploads.mark()
 
     def write_low(self, bucket: FlatBucket, target: Tensor) -> None:
         """Put the piece of ``bucket`` into ``target`` (its working copy, compute dtype, where ``low_of`` of the
-        step pointed): nothing when the step wrote it there; under offload on a GPU one bulk copy of the pinned
-        low-precision piece (converted on the host first if the step did not write it, after loading a
-        checkpoint say); otherwise a conversion of the master where it lives. The next step's host writes
-        into the pinned piece wait for that step's gradients, which the GPU produces after this copy."""
+        step pointed): nothing when the step wrote it there; the current stream waits for it when the step sent it
+        up; otherwise a conversion of the master where it lives, crossing the bus in the compute dtype (after loading
+        a checkpoint, say)."""
         index = bucket.index
         if index in self._written or target.data_ptr() == self.pieces[index].data_ptr():
             self._written.discard(index)
             return
-        low = self.host_low.get(index)
-        if low is None:
-            target.copy_(self.pieces[index])
+        if index in self._landing:
+            CopyStream.wait(self._landing.pop(index))
             return
-        if index not in self._staged:
-            low.copy_(self.pieces[index])
-        self._staged.discard(index)
-        transfer(target, low)
+        if index in self._staged:
+            self._staged.discard(index)
+            low = self.host_low[index]
+            transfer(target, low) if low.device != target.device else target.copy_(low)
+            return
+        piece = self.pieces[index]
+        if piece.device == target.device:
+            target.copy_(piece)
+        else:
+            transfer(target, piece.to(target.dtype))
+
+    def adopt_state(self) -> None:
+        """Gather optimizer state loaded from elsewhere into the host step's flats now (it would be at the next
+        step), so that nothing is held twice in between."""
+        if self.adam is not None:
+            for flat in self.adam.flats:
+                self.adam._adopt(flat, self.adam.optimizer.param_groups[flat.group])
 
     def holders(self, rank: int, optimizer: Optimizer | None) -> tuple[list[st.Holder], list[st.Holder]]:
         """Holders of every piece (model state), and of the optimizer's params in its param-group order."""
@@ -246,3 +329,11 @@ class MasterShards:
             if index in self.host_low:
                 side["params"].append(self.host_low[index])
         return out
+
+
+def _adjacent(last: tuple, entry: tuple, pieces: dict[int, Tensor]) -> bool:
+    """Whether ``entry`` (bucket, gradient, output, target) continues the run ending with ``last`` in every array."""
+    if (last[2] is None) != (entry[2] is None):
+        return False
+    return (follows(pieces[last[0].index], pieces[entry[0].index]) and follows(last[1], entry[1])
+            and (last[2] is None or follows(last[2], entry[2])))

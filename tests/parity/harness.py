@@ -48,7 +48,7 @@ from trainkit.demo.gpt import Block, DemoGPT
 from trainkit.demo.markov import MarkovChain, TokenWindows
 from trainkit.optim import OneBitAdam
 from trainkit.utils import infer_batch_size
-from trainkit_strategies import get_strategy
+from trainkit_strategies import get_strategy, native
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
 BF16 = {"rtol": 2e-2, "atol": 2e-2}
@@ -79,6 +79,8 @@ class Case:
     init_scale: float | None = None  # "16-mixed": start the loss scale here (low enough that nothing overflows)
     onebit: dict[str, Any] | None = None  # train with trainkit.optim.OneBitAdam(**onebit) instead of AdamW
     samples_per_replica: int | None = None  # the data's size per replica (default: full windows of ``steps``)
+    probe_grads: bool = True  # read full gradients before every step (False: no hook needs them, and a strategy
+    # that can step during backward does: zero_offload's overlapped host step)
 
     def replicas(self, world_size: int) -> int:
         """Data-parallel replicas: the ranks of one pipeline, of one tensor-parallel and of one context-parallel group
@@ -102,6 +104,8 @@ class Result:
     psi: int = 0
     val: dict[str, float] = field(default_factory=dict)  # val_* metrics; buffer_spread: ranks' largest disagreement
     peaks: list[dict] = field(default_factory=list)  # pipeline: each rank's activation peak in the last step
+    steps_in_backward: int = 0  # optimizer steps the strategy took during backward (zero_offload)
+    host_fallback: str = ""  # why the offloaded host step ran torch's kernels instead of the compiled one, if it did
 
 
 class Probe(Callback):
@@ -144,6 +148,13 @@ class Probe(Callback):
             self.grads.append({k: v.detach().to("cpu", torch.float32, copy=True) for k, v in grads.items()})
 
 
+class LossProbe(Probe):
+    """The Probe without the gradients: no ``on_before_optimizer_step`` hook, so nothing stops a strategy from
+    stepping during backward."""
+
+    on_before_optimizer_step = Callback.on_before_optimizer_step
+
+
 def _module_and_data(case: Case, world_size: int) -> tuple[Any, Any]:
     per_replica = case.samples_per_replica or case.steps * case.accumulate * case.per_rank_batch
     samples = per_replica * case.replicas(world_size)
@@ -184,7 +195,7 @@ def run_case(case: Case, world_size: int, per_rank_batch: int, accelerator: str)
     module, data = _module_and_data(case, world_size)
     if case.onebit is not None:
         module.configure_optimizers = lambda: OneBitAdam(module.parameters(), **case.onebit)
-    probe = Probe(case.record_comm, case.init_scale)
+    probe = (Probe if case.probe_grads else LossProbe)(case.record_comm, case.init_scale)
     strategy = get_strategy(case.strategy, **case.options)
     tokens = case.model in ("gpt", "gpt6", "llama")
     val_data = (TokenWindows(MarkovChain(16, 0.5, seed=3).sample(13, 17, seed=5)) if tokens
@@ -211,7 +222,8 @@ def run_case(case: Case, world_size: int, per_rank_batch: int, accelerator: str)
         metrics["buffer_spread"] = max(float((theirs[n] - b).abs().max()) for theirs in everyone
                                        for n, b in buffers.items())
     peaks = strategy.all_gather_object(getattr(strategy, "activation_peak", {}))
-    return Result(probe.losses, probe.grads, params, probe.comm, psi, metrics, peaks)
+    return Result(probe.losses, probe.grads, params, probe.comm, psi, metrics, peaks,
+                  getattr(strategy, "steps_in_backward", 0), native.why_not("host_adam") or "")
 
 
 def run_reference(case: Case, world_size: int) -> Result:
@@ -228,7 +240,9 @@ def _save(result: Result, path: Path) -> None:
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path.with_suffix(".safetensors")))
     path.with_suffix(".json").write_text(json.dumps({"losses": result.losses, "comm": result.comm,
                                                      "steps": len(result.grads), "psi": result.psi,
-                                                     "val": result.val, "peaks": result.peaks}))
+                                                     "val": result.val, "peaks": result.peaks,
+                                                     "steps_in_backward": result.steps_in_backward,
+                                                     "host_fallback": result.host_fallback}))
 
 
 def _load(path: Path) -> Result:
@@ -237,7 +251,8 @@ def _load(path: Path) -> Result:
     params = {k[6:]: v for k, v in tensors.items() if k.startswith("param/")}
     grads = [{k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith(f"grad{i}/")}
              for i in range(meta["steps"])]
-    return Result(meta["losses"], grads, params, meta["comm"], meta["psi"], meta["val"], meta["peaks"])
+    return Result(meta["losses"], grads, params, meta["comm"], meta["psi"], meta["val"], meta["peaks"],
+                  meta["steps_in_backward"], meta["host_fallback"])
 
 
 def _worker(rank: int, world_size: int, port: int, cases: list[Case], out: str) -> None:

@@ -17,7 +17,10 @@ SMALL = {"bucket_mb": 0.0004}  # several buckets per param group on the 8-16-1 M
 STRATEGIES = [("ddp", {}), ("zero1", SMALL), ("zero2", SMALL), ("zero_offload", {**SMALL, "ratio": 0.5}),
               ("zero3", {"persistence_threshold": 0}), ("fsdp", {}), ("pipeline", {"microbatches": 2})]
 CASES = [Case(f"{name}-uneven-window", name, options, accumulate=3, steps=2, samples_per_replica=5, clip=0.5)
-         for name, options in STRATEGIES]
+         for name, options in STRATEGIES] + [
+    # zero_offload stepping each bucket during the window's last backward (no clipping, no hook reading gradients)
+    Case("zero_offload-overlap-uneven-window", "zero_offload", SMALL, accumulate=3, steps=2, samples_per_replica=5,
+         probe_grads=False)]
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=["W2", "W3", "W4"])
@@ -31,8 +34,11 @@ def test_an_uneven_window_steps_like_one_batch_of_its_samples(world, case):
     result = results[case.name]
     assert len(result.losses) == 2
     assert_parity(result, run_reference(case, world_size), case.tolerance())
+    assert result.steps_in_backward == (2 if not case.probe_grads else 0)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_an_uneven_window_on_one_rank(case):
-    assert_parity(run_case(case, 1, case.per_rank_batch, "cpu"), run_reference(case, 1), case.tolerance())
+    result = run_case(case, 1, case.per_rank_batch, "cpu")
+    assert_parity(result, run_reference(case, 1), case.tolerance())
+    assert result.steps_in_backward == (2 if not case.probe_grads else 0)

@@ -27,6 +27,10 @@ CASES = [
     Case("zero_offload-host-bf16-clip", "zero_offload", SMALL, precision="bf16-mixed", clip=0.05),
     Case("zero_offload-host-fp16-acc2-clip", "zero_offload", SMALL, precision="16-mixed", accumulate=2, clip=0.05,
          init_scale=1024.0),
+    # ... and stepping each bucket on the host during backward (no hook reads the gradients, no clipping)
+    Case("zero_offload-overlap-fp32", "zero_offload", SMALL, probe_grads=False),
+    Case("zero_offload-overlap-bf16-acc4-num_items", "zero_offload", {**SMALL, "ratio": 0.5}, precision="bf16-mixed",
+         accumulate=4, model="masked", probe_grads=False),
     # gradients summed across ranks in fp32 under bf16-mixed (reduce_dtype), whole and partitioned, and offloaded
     Case("zero1-bf16-reduce-fp32-acc2", "zero1", {**SMALL, "reduce_dtype": "fp32"}, precision="bf16-mixed",
          accumulate=2, clip=0.05),
@@ -47,7 +51,11 @@ def world(request):
 @pytest.mark.parametrize("case", [c for c in CASES if not c.record_comm], ids=lambda c: c.name)
 def test_zero_matches_single_process(world, case):
     world_size, results = world
-    assert_parity(results[case.name], run_reference(case, world_size), case.tolerance())
+    result = results[case.name]
+    assert_parity(result, run_reference(case, world_size), case.tolerance())
+    overlapped = case.strategy == "zero_offload" and not case.probe_grads
+    assert result.steps_in_backward == (case.steps if overlapped else 0)  # the path the case means to test
+    assert result.host_fallback == ""  # host steps ran the compiled one-pass kernel
 
 
 def test_zero1_reduce_scatters_and_gathers_psi_per_step_and_nothing_on_micro_steps(world):

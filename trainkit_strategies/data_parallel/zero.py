@@ -26,7 +26,7 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -50,6 +50,7 @@ class _Group:
 
     buckets: list[FlatBucket]
     working: Tensor  # every bucket, compute dtype
+    views: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)  # per bucket: its whole, this rank's piece
 
 
 class GradientLayout(ABC):
@@ -94,6 +95,9 @@ class GradientLayout(ABC):
     def zero(self) -> None:
         for buffer in self.buffers:
             buffer.zero_()
+
+    def close(self) -> None:
+        """Release what outlives a step (threads)."""
 
 
 class WholeGradients(GradientLayout):
@@ -206,10 +210,13 @@ class OffloadedGradients(PartitionedGradients):
     lands in the host partition directly. On a GPU it lands in one of two device scratch pieces, and one bulk
     copy on a side stream moves it, still in the compute dtype, to the page-locked host partition while backward
     goes on with the next buckets. An accumulation micro-step after the first copies into one of two page-locked
-    staging pieces instead, and a host thread adds it into the partition once the copy has landed, so backward
-    never waits for the bus (only for a staging piece whose previous add is still running). The host converts to
-    fp32 chunk by chunk in the step (``host_adam.py``); nothing crosses the bus converting dtype, and transfers
-    are one per bucket.
+    staging pieces instead, and the host worker thread adds it into the partition once the copy has landed, so
+    backward never waits for the bus (only for a staging piece whose previous add is still running). Once a bucket's
+    gradient is whole in host memory the strategy hears of it (``gradient_landed``), and may step it there and then
+    on the same worker thread. Nothing crosses the bus converting dtype, and transfers are one per bucket.
+
+    The first micro-step of a window writes the partition rather than adding to it, so ``zero`` touches no host
+    memory: every bucket is written by every window's first backward (or by the flush that follows it).
     """
 
     reduce_buffers = 1  # the device holds one gradient bucket in flight: offload is for models that barely fit
@@ -223,7 +230,7 @@ class OffloadedGradients(PartitionedGradients):
         self._adding: list[Future | None] = [None, None]  # per slot: the host add of its last staged copy
         self._slot = 0
         self._copies: CopyStream | None = None
-        self._adder: ThreadPoolExecutor | None = None
+        self._worker: ThreadPoolExecutor | None = None
 
     def attach(self, group: _Group) -> None:
         env, dtype = self.strategy.env, self.strategy.grad_dtype
@@ -233,14 +240,20 @@ class OffloadedGradients(PartitionedGradients):
             self._scratch = [torch.empty(largest, dtype=dtype, device=env.device) for _ in range(2)]
             self._staging = [host_buffer(largest, dtype, env, pinned=True) for _ in range(2)]
             self._copies = CopyStream(env.device)
-            self._adder = ThreadPoolExecutor(1, thread_name_prefix="trainkit-offload-accumulate")
+
+    def submit(self, fn: Any, *args: Any) -> Future:
+        """Run ``fn(*args)`` on the host worker thread, after everything submitted before it (adds, steps)."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="trainkit-offload-host")
+        return self._worker.submit(fn, *args)
 
     def launch(self, bucket: FlatBucket) -> None:
         strategy = self.strategy
         source = strategy.reducer.fill(bucket)
         accumulate = not self._first_micro_step
         if not self._staged:
-            strategy.reducer.reduce(source, self.piece(bucket), accumulate=accumulate)
+            strategy.reducer.reduce(source, self.piece(bucket), accumulate=accumulate,
+                                    on_done=lambda: strategy.gradient_landed(bucket, None))
             return
         slot, self._slot = self._slot, 1 - self._slot
         CopyStream.wait(self._copied[slot])  # the scratch piece's previous copy to the host has read it
@@ -249,7 +262,7 @@ class OffloadedGradients(PartitionedGradients):
                                 on_done=lambda: self._to_host(bucket, scratch, slot, accumulate))
 
     def _to_host(self, bucket: FlatBucket, scratch: Tensor, slot: int, accumulate: bool) -> None:
-        assert self._copies is not None and self._adder is not None
+        assert self._copies is not None
         pending = self._adding[slot]
         if accumulate and pending is not None:
             pending.result()  # the staging piece's previous add has read it
@@ -258,7 +271,9 @@ class OffloadedGradients(PartitionedGradients):
             transfer(target, scratch)
             self._copied[slot] = landed = self._copies.mark()
         if accumulate:
-            self._adding[slot] = self._adder.submit(self._add, landed, self.piece(bucket), target)
+            self._adding[slot] = self.submit(self._add, landed, self.piece(bucket), target)
+            landed = None  # the add has waited for it
+        self.strategy.gradient_landed(bucket, landed)
 
     @staticmethod
     def _add(landed: Any, piece: Tensor, staged: Tensor) -> None:
@@ -273,6 +288,14 @@ class OffloadedGradients(PartitionedGradients):
         for event in self._copied:
             CopyStream.synchronize(event)
         self._adding = [None, None]
+
+    def zero(self) -> None:
+        """Nothing: the next window's first micro-step overwrites the partition."""
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
 
     def memory(self) -> dict[str, list[Tensor]]:
         return {"device": list(self._scratch), "host": list(self.buffers) + list(self._staging)}
@@ -356,8 +379,8 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         working, master = self.precision.working_dtype, self.precision.master_dtype
         self.grads = self._layout()
         self._master = MasterShards(self.buckets, len(optimizer.param_groups), master, self.env, self.offload,
-                                    self.ratio, grad_dtype=self.grad_dtype if self._grads_on_device() else None,
-                                    low_dtype=working)
+                                    self.ratio, grad_dtype=self.grad_dtype, low_dtype=working,
+                                    host_grads=not self._grads_on_device())
         self.groups = [self._build_group([b for b in self.buckets if b.group == g])
                         for g in range(len(optimizer.param_groups))]
         bucketed = set(group_of)
@@ -388,6 +411,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
             self._master[b].copy_(full[lo:hi])
             working = group.working[start : start + b.padded]
             working.copy_(full)
+            group.views[b.index] = (working, working[lo:hi])
             for p, view in zip(b.params, b.param_views(working), strict=True):
                 p.data, p.grad = view, None
             start += b.padded
@@ -409,6 +433,10 @@ class ZeroStrategy(DeferredGradScale, Strategy):
 
     def _launch(self, index: int) -> None:
         self.grads.launch(self.buckets[index])
+
+    def gradient_landed(self, bucket: FlatBucket, landed: Any) -> None:
+        """``bucket``'s reduced gradient is in the host partition once ``landed`` (an event, None: now) has passed
+        (ZeRO-Offload's layout says so; a strategy that steps during backward starts the bucket's step here)."""
 
     def reduce_gradients(self, scale: float | Tensor) -> None:
         self.launcher.flush()  # buckets whose hooks did not all fire, or a window whose reduction was deferred
@@ -434,17 +462,16 @@ class ZeroStrategy(DeferredGradScale, Strategy):
 
     def _working_piece(self, bucket: FlatBucket) -> Tensor:
         """This rank's piece of ``bucket`` in the working parameters (what it contributes to the all-gather)."""
-        lo, hi = bucket.piece_range(self.rank)
-        return self.groups[bucket.group].working[bucket.start + lo : bucket.start + hi]
+        return self.groups[bucket.group].views[bucket.index][1]
 
     def _gather_working(self) -> None:
         """Write every bucket's updated piece into the working parameters and all-gather them in place."""
         handles = []
         for g in self.groups:
             for b in g.buckets:
-                mine = self._working_piece(b)
+                whole, mine = g.views[b.index]
                 self._master.write_low(b, mine)
-                handles.append(self.comm.all_gather(g.working[b.start : b.start + b.padded], mine, async_op=True))
+                handles.append(self.comm.all_gather(whole, mine, async_op=True))
         self._uploaded = mark(self.device)  # the host may overwrite what the copies up read once this has passed
         for h in handles:
             h.wait()
@@ -513,6 +540,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        self.grads.close()
 
 
 class Zero1Strategy(ZeroStrategy):
