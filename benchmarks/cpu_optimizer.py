@@ -169,9 +169,11 @@ def main() -> None:
         results = {t: measure(numel, t, rounds, steps) for t in threads}
         if len(threads) > 1:
             base = results[threads[0]]
-            print(f"gain over {threads[0]} thread(s), {numel / 2**20:.0f}M: " + "; ".join(
-                f"{name.split(',')[0]}: " + ", ".join(f"{t}: {results[t][name] / base[name]:.2f}x" for t in threads[1:])
-                for name in base))
+            print(f"\ngain over {threads[0]} thread(s), {numel / 2**20:.0f}M parameters (and against torch's gain)")
+            for name in base:
+                gains = [(t, results[t][name] / base[name], results[t][FUSED] / base[FUSED]) for t in threads[1:]]
+                print(f"{name:<46}" + "  ".join(f"{t} threads: {g:.2f}x ({g / ref:.2f} of torch's)"
+                                                 for t, g, ref in gains))
 
 
 if __name__ == "__main__":

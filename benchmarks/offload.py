@@ -48,6 +48,8 @@ from trainkit_strategies.comm import Comm
 
 Step = Callable[[], None]
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+AFTER = "trainkit zero_offload (step after backward)"  # overlap_step=False: as with clipping or fp16
+DURING = "trainkit zero_offload (step during backward)"  # overlap_step=True, also where the device is the host
 GPT_SHAPES = {  # name -> (GPTConfig kwargs, batch, sequence)
     "gpt-tiny": (dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64), 2, 64),  # a dry run on the CPU
     "gpt-124M": (dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768), 8, 1024),
@@ -63,8 +65,8 @@ def mlp(width: int, hidden: int, blocks: int) -> nn.Module:
 
 def trainkit_variant(model: nn.Module, env: Environment, batch: Callable[[], tuple], loss_fn: Callable,
                      strategy: Any = None) -> Step:
-    """trainkit's step as the Trainer takes it with no clipping and no loss scaling: each bucket steps on the host as
-    soon as its gradients land (unless ``overlap_step=False``)."""
+    """trainkit's step as the Trainer takes it with no clipping and no loss scaling: on a GPU each bucket steps on the
+    host as soon as its gradients land (as ``overlap_step`` says)."""
     strategy = strategy or get_strategy("zero_offload")
     strategy.setup_environment(env, Comm(env.world_size, env.rank, device=env.device) if env.world_size > 1 else None)
     strategy.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4), Precision.from_name("bf16-mixed"))
@@ -125,7 +127,9 @@ def _timing_worker(rank: int, world: int, port: int, args: argparse.Namespace, o
     env = _join(rank, world, port)
     shape, micro = _shape(args)
     x = torch.randn(micro, shape[0], generator=torch.Generator().manual_seed(rank))
-    variants = {"trainkit zero_offload": trainkit_variant(mlp(*shape), env, lambda: (x,), mse)}
+    variants = {"trainkit zero_offload": trainkit_variant(mlp(*shape), env, lambda: (x,), mse),
+                DURING: trainkit_variant(mlp(*shape), env, lambda: (x,), mse, get_strategy("zero_offload",
+                                                                                           overlap_step=True))}
     if HAS_DEEPSPEED:
         if world == 1 and not dist.is_initialized():
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
@@ -157,7 +161,8 @@ def _memory_worker(rank: int, world: int, port: int, args: argparse.Namespace, n
     x = torch.randn(micro, shape[0], generator=torch.Generator().manual_seed(rank))
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if name.startswith("trainkit"):
-        step = trainkit_variant(mlp(*shape), env, lambda: (x,), mse)
+        step = trainkit_variant(mlp(*shape), env, lambda: (x,), mse,
+                                get_strategy("zero_offload", overlap_step=True if name == DURING else None))
     else:
         step = deepspeed_variant(mlp(*shape), micro, lambda: (x,), mse)
     for _ in range(3):
@@ -186,9 +191,11 @@ def cpu(args: argparse.Namespace) -> None:
         memory = {name: run_ranks(_memory_worker, world, args, name)[name] for name in times}
         ours = "trainkit zero_offload"
         for name, t in times.items():
-            line = f"W={world}  {name:<28}{t * 1e3:>9.1f} ms  peak RSS +{memory[name] / 2**20:>7.1f} MiB"
-            if name != ours:
+            line = f"W={world}  {name:<46}{t * 1e3:>9.1f} ms  peak RSS +{memory[name] / 2**20:>7.1f} MiB"
+            if name.startswith("DeepSpeed"):
                 line += f"   trainkit/DeepSpeed: time {times[ours] / t:.3f}x, memory {memory[ours] / memory[name]:.3f}x"
+            elif name != ours:
+                line += f"   this / the default: {t / times[ours]:.3f}x"
             print(line)
 
 
@@ -209,7 +216,7 @@ def _variant_worker(args: argparse.Namespace) -> None:
     params = sum(p.numel() for p in model.parameters())
     start = time.perf_counter()
     if args.variant.startswith("trainkit"):
-        strategy = get_strategy("zero_offload", overlap_step="after backward" not in args.variant)
+        strategy = get_strategy("zero_offload", overlap_step={AFTER: False, DURING: True}.get(args.variant))
         step = trainkit_variant(model, env, batch, lm_loss, strategy)
     else:
         step = deepspeed_variant(model, micro, batch, lm_loss)

@@ -90,7 +90,7 @@ class HostAdam:
         self.flats = [_Flat(master, group, pieces) for master, group, pieces in flats]
         self._flat_of = {id(piece): flat for flat in self.flats for piece, _ in flat.pieces}
         self.mult = 1.0
-        self.threads = 1
+        self.threads = 1  # cores each run uses (read at each run: a step during backward widens once it is over)
         self._hyper: dict[int, tuple[ctypes.Array, int]] = {}  # per flat, the kernel's arguments for this step
         self._scratch: Tensor | None = None
 

@@ -19,8 +19,8 @@ STRATEGIES = [("ddp", {}), ("zero1", SMALL), ("zero2", SMALL), ("zero_offload", 
 CASES = [Case(f"{name}-uneven-window", name, options, accumulate=3, steps=2, samples_per_replica=5, clip=0.5)
          for name, options in STRATEGIES] + [
     # zero_offload stepping each bucket during the window's last backward (no clipping, no hook reading gradients)
-    Case("zero_offload-overlap-uneven-window", "zero_offload", SMALL, accumulate=3, steps=2, samples_per_replica=5,
-         probe_grads=False)]
+    Case("zero_offload-overlap-uneven-window", "zero_offload", {**SMALL, "overlap_step": True}, accumulate=3, steps=2,
+         samples_per_replica=5, probe_grads=False)]
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=["W2", "W3", "W4"])

@@ -27,10 +27,11 @@ CASES = [
     Case("zero_offload-host-bf16-clip", "zero_offload", SMALL, precision="bf16-mixed", clip=0.05),
     Case("zero_offload-host-fp16-acc2-clip", "zero_offload", SMALL, precision="16-mixed", accumulate=2, clip=0.05,
          init_scale=1024.0),
-    # ... and stepping each bucket on the host during backward (no hook reads the gradients, no clipping)
-    Case("zero_offload-overlap-fp32", "zero_offload", SMALL, probe_grads=False),
-    Case("zero_offload-overlap-bf16-acc4-num_items", "zero_offload", {**SMALL, "ratio": 0.5}, precision="bf16-mixed",
-         accumulate=4, model="masked", probe_grads=False),
+    # ... and stepping each bucket on the host during backward (no hook reads the gradients, no clipping; on by
+    # default only where the device is not the host, asked for here)
+    Case("zero_offload-overlap-fp32", "zero_offload", {**SMALL, "overlap_step": True}, probe_grads=False),
+    Case("zero_offload-overlap-bf16-acc4-num_items", "zero_offload", {**SMALL, "ratio": 0.5, "overlap_step": True},
+         precision="bf16-mixed", accumulate=4, model="masked", probe_grads=False),
     # gradients summed across ranks in fp32 under bf16-mixed (reduce_dtype), whole and partitioned, and offloaded
     Case("zero1-bf16-reduce-fp32-acc2", "zero1", {**SMALL, "reduce_dtype": "fp32"}, precision="bf16-mixed",
          accumulate=2, clip=0.05),

@@ -249,7 +249,7 @@ def test_the_offload_plan_is_what_a_run_holds(accumulate):
     before = _live_bytes()
     torch.manual_seed(0)
     module = Stack()
-    strategy = get_strategy("zero_offload")
+    strategy = get_strategy("zero_offload", overlap_step=True)
     strategy.setup_environment(Environment())
     strategy.setup(module, module.configure_optimizers(), Precision.from_name("bf16-mixed"))
     assert len(strategy.buckets) >= 3

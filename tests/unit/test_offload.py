@@ -121,6 +121,8 @@ def test_zero_offload_runs_the_offloaded_layout_and_the_host_step():
     assert isinstance(strategy.grads, OffloadedGradients)
     assert isinstance(strategy._master.adam, HostAdam)
     assert all(g.device.type == "cpu" for g in strategy.grads.buffers)
+    # on a CPU device backward computes on the host's cores: by default the host step waits for it
+    assert not strategy.step_in_backward(1.0)
 
 
 def _events(prof: torch.profiler.profile) -> list[str]:

@@ -50,8 +50,10 @@ class ZeroOffloadStrategy(StepsInBackward, Zero2Strategy):
         ratio: the fraction of each group's optimizer state kept on the host; the rest, the buckets backward produces
             last (which the next forward needs first), steps on the device.
         overlap_step: step each bucket on the host as soon as its gradients land, during backward, when nothing needs
-            the gradients before the step (the Trainer decides: no clipping by norm, no fp16 loss scaling, no
-            ``on_before_optimizer_step`` hook). False: always step after backward.
+            the gradients before the step (the Trainer decides: no clipping, no fp16 loss scaling, no
+            ``on_before_optimizer_step`` hook). None (default): where the device is not the host (a GPU), whose
+            backward leaves the host's cores idle; True: on a CPU device too, where the host step and backward share
+            the cores (it pays when backward waits for other ranks, not otherwise); False: always after backward.
         delayed_update: run each host step in the background, overlapping the next step's forward and
             backward, which then see parameters one step old (ZeRO-Offload's DPU; changes the numbers).
         broadcast_buffers: broadcast rank 0's floating-point buffers after every step, as ddp does.
@@ -61,7 +63,7 @@ class ZeroOffloadStrategy(StepsInBackward, Zero2Strategy):
 
     name = "zero_offload"
 
-    def __init__(self, bucket_mb: float = 25.0, offload: bool = True, ratio: float = 1.0, overlap_step: bool = True,
+    def __init__(self, bucket_mb: float = 25.0, offload: bool = True, ratio: float = 1.0, overlap_step: bool | None = None,
                  delayed_update: bool = False, broadcast_buffers: bool = True, reduce_dtype: str | None = None) -> None:
         super().__init__(bucket_mb, offload, ratio, broadcast_buffers, reduce_dtype)
         if delayed_update and not offload:
@@ -84,7 +86,8 @@ class ZeroOffloadStrategy(StepsInBackward, Zero2Strategy):
 
     # -- the step during backward --------------------------------------------------------------------
     def step_in_backward(self, scale: float | Tensor) -> bool:
-        if not (self.overlap_step and isinstance(self.grads, OffloadedGradients) and self._master.adam is not None
+        overlap = self.env.host_is_separate if self.overlap_step is None else self.overlap_step
+        if not (overlap and isinstance(self.grads, OffloadedGradients) and self._master.adam is not None
                 and not self.delayed_update and self._syncing):
             return False
         grads = self.grads
@@ -112,6 +115,8 @@ class ZeroOffloadStrategy(StepsInBackward, Zero2Strategy):
         self._master.host_ready(bucket, self.grads.piece(bucket), self._working_piece(bucket))
 
     def reduce_gradients(self, scale: float | Tensor) -> None:
+        if self._overlapping is not None and self._master.adam is not None:
+            self._master.adam.threads = self._master.threads  # backward is over: the runs left take every core
         super().reduce_gradients(scale)
         if self._overlapping is not None:  # every bucket has landed: step what waits for a longer run
             self._overlapping = self.grads.submit(self._master.finish_host_step)  # type: ignore[attr-defined]
