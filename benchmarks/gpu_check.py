@@ -1,8 +1,8 @@
 """Everything that only a GPU machine can check, in one command, ending in a table to paste into docs/gpu.md.
 
-    python benchmarks/gpu_check.py                  # every check (about 15 minutes on one H100, 5.4B offload included)
+    python benchmarks/gpu_check.py                  # every check (about 15 minutes on one H100, 5.4B offload too)
     python benchmarks/gpu_check.py --quick          # without the 5.4B offload comparison (about 5 minutes)
-    python benchmarks/gpu_check.py --offload-only   # only the 5.4B offload comparison, with phases and timeline (~7 min)
+    python benchmarks/gpu_check.py --offload-only   # the 5.4B offload comparison alone, phases and timeline (~7 min)
 
 What it runs, each as its own process (a failure is a row, not the end of the run):
 

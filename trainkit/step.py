@@ -15,6 +15,12 @@ data, so the step never waits for the host), except where it needs no communicat
 sample counts when every rank's batches hold as many samples (trainkit's sampler pads each rank's share to the
 same length), where it is ``W`` times this rank's count.
 
+A strategy that can step during backward (``StepsInBackward``: ZeRO-Offload's host step, bucket by bucket as the
+gradients land) is offered the window's ``c / N`` just before the window's last backward, when nothing needs the
+gradients before the step: no clipping, no loss scaler, no ``on_before_optimizer_step`` hook. The count is complete
+by then (every micro-batch's items are known before its backward), so the offered scale is the one the boundary
+passes to ``reduce_gradients``.
+
 A strategy that runs its own schedule (``RunsSchedule``: the pipeline) computes forward and backward
 of a batch itself; it weights every loss item by ``1/k`` (times the loss scale) and reports the items
 its rank counted, so the boundary normalises by their total with ``c = k``. Which of the two forward

@@ -104,7 +104,7 @@ class HostAdam:
         self._hyper.clear()
         for flat in self.flats:
             group = self.optimizer.param_groups[flat.group]
-            self._adopt(flat, group)
+            self.adopt(flat)
             assert flat.step is not None
             flat.step += 1
             flat.count = 1.0 if flat.master.is_meta else float(flat.step)
@@ -130,7 +130,8 @@ class HostAdam:
         kernel = _kernel()
         with torch.profiler.record_function("trainkit::host_adam"):
             if kernel is not None and grad.dtype in _CODES and (out is None or out.dtype in _CODES):
-                at = lambda name: flat.moments[name].data_ptr() + 4 * lo if name in flat.moments else None
+                at = lambda name: (flat.moments[name].data_ptr() + lo * flat.master.element_size()
+                                   if name in flat.moments else None)
                 code = kernel(pieces[0].data_ptr(), grad.data_ptr(), _CODES[grad.dtype], at("exp_avg"),
                               at("exp_avg_sq"), at("max_exp_avg_sq"), out.data_ptr() if out is not None else None,
                               _CODES[out.dtype] if out is not None else -1, n, hyper, flags, self.threads)
@@ -164,13 +165,14 @@ class HostAdam:
             if out is not None:
                 out[lo:hi].copy_(master[lo:hi])
 
-    def _adopt(self, flat: _Flat, group: dict) -> None:
+    def adopt(self, flat: _Flat) -> None:
         """Make every piece's state views of the flat's moments and one shared step, keeping values found there
         (a fresh piece starts from zeros, as torch's Adam does)."""
+        group = self.optimizer.param_groups[flat.group]
         names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad", False) else [])
-        for name in names:
-            if name not in flat.moments:
-                flat.moments[name] = torch.zeros_like(flat.master)
+        zeroed = {name for name in names if name not in flat.moments}  # allocated now, as zeros
+        for name in zeroed:
+            flat.moments[name] = torch.zeros_like(flat.master)
         state = self.optimizer.state
         if flat.step is None:
             flat.step = torch.zeros((), dtype=torch.float32, device=flat.master.device)
@@ -192,7 +194,7 @@ class HostAdam:
                     continue
                 if held is not None and held.numel() == view.numel():
                     view.copy_(held)
-                elif not flat.master.is_meta:
+                elif name not in zeroed and not flat.master.is_meta:
                     view.zero_()  # a piece without state starts afresh, as under torch's Adam
                 mine[name] = view
             mine["step"] = flat.step

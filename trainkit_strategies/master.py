@@ -304,9 +304,12 @@ class MasterShards:
     def adopt_state(self) -> None:
         """Gather optimizer state loaded from elsewhere into the host step's flats now (it would be at the next
         step), so that nothing is held twice in between."""
-        if self.adam is not None:
-            for flat in self.adam.flats:
-                self.adam._adopt(flat, self.adam.optimizer.param_groups[flat.group])
+        if self.adam is None:
+            return
+        state = self.adam.optimizer.state
+        for flat in self.adam.flats:
+            if any(state.get(piece) for piece, _ in flat.pieces):  # a checkpoint without optimizer state leaves none
+                self.adam.adopt(flat)
 
     def holders(self, rank: int, optimizer: Optimizer | None) -> tuple[list[st.Holder], list[st.Holder]]:
         """Holders of every piece (model state), and of the optimizer's params in its param-group order."""

@@ -75,9 +75,10 @@ def test_autocast_and_loss_scaling_match_torch_amp(tmp_path, precision, dtype):
 
 def test_offload_pins_only_what_crosses_the_bus_at_its_exact_size(tmp_path):
     """Master weights and Adam state stay in ordinary host memory (they never cross the bus: pinning them would
-    cost 12 bytes a parameter of page-locked memory for nothing); the gradient partition and the compute-dtype
-    copies that do cross are page-locked, each at exactly its size (torch's pinned allocator would round it up
-    to a power of two)."""
+    cost 12 bytes a parameter of page-locked memory for nothing); the gradient partition, which crosses both ways
+    (gradients down, the updated compute-dtype parameters written over them going up), is page-locked at exactly
+    its size (torch's pinned allocator would round it up to a power of two), and no other host buffer of the
+    model's size exists."""
     module = Regression(dim=64, hidden=256)
     strategy = get_strategy("zero_offload")
     trainer = quiet_trainer(tmp_path, accelerator="cuda", strategy=strategy, precision="bf16-mixed", max_steps=3)
@@ -86,8 +87,9 @@ def test_offload_pins_only_what_crosses_the_bus_at_its_exact_size(tmp_path):
     pieces = [p for g in strategy.optimizer.param_groups for p in g["params"]]
     assert pieces and state
     assert all(t.device.type == "cpu" and not t.is_pinned() for t in pieces + state)
-    crossing = list(strategy.grads.buffers) + list(strategy._master.host_low.values())
+    crossing = list(strategy.grads.buffers)
     assert crossing and all(t.is_pinned() for t in crossing)
+    assert not strategy._master.host_low  # the parameters go back from the gradient partition
     assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in strategy.grads.buffers)
     assert not strategy._master.host_grad  # the partition is on the host already: no staging of gradients
     report = strategy.memory_report()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.parity.harness import Case, assert_parity, run_reference, run_world
+from trainkit_strategies import host_adam, native
 
 SMALL = {"bucket_mb": 0.0004}  # several buckets per param group on the 8-16-1 MLP
 
@@ -56,7 +57,8 @@ def test_zero_matches_single_process(world, case):
     assert_parity(result, run_reference(case, world_size), case.tolerance())
     overlapped = case.strategy == "zero_offload" and not case.probe_grads
     assert result.steps_in_backward == (case.steps if overlapped else 0)  # the path the case means to test
-    assert result.host_fallback == ""  # host steps ran the compiled one-pass kernel
+    # host steps ran the compiled kernel wherever it builds (with a C compiler: here, and in CI)
+    assert result.host_fallback == ("" if host_adam.uses_kernel() else native.why_not("host_adam"))
 
 
 def test_zero1_reduce_scatters_and_gathers_psi_per_step_and_nothing_on_micro_steps(world):

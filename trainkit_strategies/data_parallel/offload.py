@@ -63,8 +63,9 @@ class ZeroOffloadStrategy(StepsInBackward, Zero2Strategy):
 
     name = "zero_offload"
 
-    def __init__(self, bucket_mb: float = 25.0, offload: bool = True, ratio: float = 1.0, overlap_step: bool | None = None,
-                 delayed_update: bool = False, broadcast_buffers: bool = True, reduce_dtype: str | None = None) -> None:
+    def __init__(self, bucket_mb: float = 25.0, offload: bool = True, ratio: float = 1.0,
+                 overlap_step: bool | None = None, delayed_update: bool = False, broadcast_buffers: bool = True,
+                 reduce_dtype: str | None = None) -> None:
         super().__init__(bucket_mb, offload, ratio, broadcast_buffers, reduce_dtype)
         if delayed_update and not offload:
             raise ValueError("zero_offload delayed_update needs offload=True: it delays the host step.")
@@ -111,7 +112,10 @@ class ZeroOffloadStrategy(StepsInBackward, Zero2Strategy):
         self._overlapping = self.grads.submit(self._step_landed, bucket, landed)  # type: ignore[attr-defined]
 
     def _step_landed(self, bucket: FlatBucket, landed: Any) -> None:
-        CopyStream.synchronize(landed)
+        if isinstance(landed, Future):
+            landed.result()  # an accumulation add, which waited for its copy
+        else:
+            CopyStream.synchronize(landed)
         self._master.host_ready(bucket, self.grads.piece(bucket), self._working_piece(bucket))
 
     def reduce_gradients(self, scale: float | Tensor) -> None:

@@ -167,6 +167,7 @@ class PartitionedGradients(GradientLayout):
         super().__init__(strategy)
         self._first_micro_step = True
         self._end_queued = False
+        self._views: dict[tuple[int, int], Tensor] = {}  # (buffer, bucket) -> the bucket's piece of that buffer
 
     def attach(self, group: _Group) -> None:
         self.buffers.append(torch.zeros(sum(b.piece for b in group.buckets), dtype=self.strategy.grad_dtype,
@@ -196,7 +197,11 @@ class PartitionedGradients(GradientLayout):
         self._first_micro_step = True
 
     def piece(self, bucket: FlatBucket) -> Tensor:
-        return self.buffers[bucket.group][bucket.shard_start : bucket.shard_start + bucket.piece]
+        buffer = self.buffers[bucket.group]  # a view made once per buffer (the delayed update swaps two in turn)
+        key = (id(buffer), bucket.index)
+        if key not in self._views:
+            self._views[key] = buffer[bucket.shard_start : bucket.shard_start + bucket.piece]
+        return self._views[key]
 
     def tensors(self) -> list[Tensor]:
         return list(self.buffers)
@@ -210,10 +215,11 @@ class OffloadedGradients(PartitionedGradients):
     lands in the host partition directly. On a GPU it lands in one of two device scratch pieces, and one bulk
     copy on a side stream moves it, still in the compute dtype, to the page-locked host partition while backward
     goes on with the next buckets. An accumulation micro-step after the first copies into one of two page-locked
-    staging pieces instead, and the host worker thread adds it into the partition once the copy has landed, so
-    backward never waits for the bus (only for a staging piece whose previous add is still running). Once a bucket's
-    gradient is whole in host memory the strategy hears of it (``gradient_landed``), and may step it there and then
-    on the same worker thread. Nothing crosses the bus converting dtype, and transfers are one per bucket.
+    staging pieces instead, and a host thread adds it into the partition once the copy has landed, so backward never
+    waits for the bus (only for a staging piece whose previous add is still running). Once a bucket's gradient is
+    whole in host memory, or will be once an event or an add has passed, the strategy hears of it
+    (``gradient_landed``), and may step it then on another host thread (``submit``), so that adds never queue behind
+    steps. Nothing crosses the bus converting dtype, and transfers are one per bucket.
 
     The first micro-step of a window writes the partition rather than adding to it, so ``zero`` touches no host
     memory: every bucket is written by every window's first backward (or by the flush that follows it).
@@ -230,6 +236,7 @@ class OffloadedGradients(PartitionedGradients):
         self._adding: list[Future | None] = [None, None]  # per slot: the host add of its last staged copy
         self._slot = 0
         self._copies: CopyStream | None = None
+        self._adder: ThreadPoolExecutor | None = None
         self._worker: ThreadPoolExecutor | None = None
 
     def attach(self, group: _Group) -> None:
@@ -240,9 +247,10 @@ class OffloadedGradients(PartitionedGradients):
             self._scratch = [torch.empty(largest, dtype=dtype, device=env.device) for _ in range(2)]
             self._staging = [host_buffer(largest, dtype, env, pinned=True) for _ in range(2)]
             self._copies = CopyStream(env.device)
+            self._adder = ThreadPoolExecutor(1, thread_name_prefix="trainkit-offload-accumulate")
 
     def submit(self, fn: Any, *args: Any) -> Future:
-        """Run ``fn(*args)`` on the host worker thread, after everything submitted before it (adds, steps)."""
+        """Run ``fn(*args)`` on the host step's thread, after everything submitted to it before."""
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="trainkit-offload-host")
         return self._worker.submit(fn, *args)
@@ -262,7 +270,7 @@ class OffloadedGradients(PartitionedGradients):
                                 on_done=lambda: self._to_host(bucket, scratch, slot, accumulate))
 
     def _to_host(self, bucket: FlatBucket, scratch: Tensor, slot: int, accumulate: bool) -> None:
-        assert self._copies is not None
+        assert self._copies is not None and self._adder is not None
         pending = self._adding[slot]
         if accumulate and pending is not None:
             pending.result()  # the staging piece's previous add has read it
@@ -271,8 +279,7 @@ class OffloadedGradients(PartitionedGradients):
             transfer(target, scratch)
             self._copied[slot] = landed = self._copies.mark()
         if accumulate:
-            self._adding[slot] = self.submit(self._add, landed, self.piece(bucket), target)
-            landed = None  # the add has waited for it
+            self._adding[slot] = landed = self._adder.submit(self._add, landed, self.piece(bucket), target)
         self.strategy.gradient_landed(bucket, landed)
 
     @staticmethod
@@ -293,9 +300,10 @@ class OffloadedGradients(PartitionedGradients):
         """Nothing: the next window's first micro-step overwrites the partition."""
 
     def close(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown()
-            self._worker = None
+        for pool in (self._adder, self._worker):
+            if pool is not None:
+                pool.shutdown()
+        self._adder = self._worker = None
 
     def memory(self) -> dict[str, list[Tensor]]:
         return {"device": list(self._scratch), "host": list(self.buffers) + list(self._staging)}
@@ -435,8 +443,9 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         self.grads.launch(self.buckets[index])
 
     def gradient_landed(self, bucket: FlatBucket, landed: Any) -> None:
-        """``bucket``'s reduced gradient is in the host partition once ``landed`` (an event, None: now) has passed
-        (ZeRO-Offload's layout says so; a strategy that steps during backward starts the bucket's step here)."""
+        """``bucket``'s reduced gradient is in the host partition once ``landed`` has passed (a copy's event, the
+        future of an add, None: now). ZeRO-Offload's layout says so; a strategy that steps during backward starts the
+        bucket's step here."""
 
     def reduce_gradients(self, scale: float | Tensor) -> None:
         self.launcher.flush()  # buckets whose hooks did not all fire, or a window whose reduction was deferred
@@ -506,6 +515,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         return st.StateLayout(shapes, whole + model, self.optimizer, optimizer, self._group_names)
 
     def _after_load(self) -> None:
+        self._master.adopt_state()
         self._gather_working()
 
     def local_state(self) -> dict[str, Tensor]:

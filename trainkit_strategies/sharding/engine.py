@@ -445,6 +445,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         return st.StateLayout(shapes, whole + model, self.optimizer, optimizer, self._group_names)
 
     def _after_load(self) -> None:
+        self._master.adopt_state()
         self._refresh_shards()
 
     def memory_report(self) -> MemoryReport:
