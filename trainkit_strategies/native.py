@@ -32,7 +32,7 @@ _FLAG_SETS = (  # tried in order: the best binary for this CPU first, then what 
     ["-O3", "-fopenmp"],
     ["-O3"],
 )
-_COMMON = ["-shared", "-fPIC", "-std=c11", "-fno-math-errno"]
+_COMMON = ["-shared", "-fPIC", "-std=c11", "-fno-math-errno", "-ffp-contract=off"]  # the source writes its FMAs
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 _why_not: dict[str, str] = {}

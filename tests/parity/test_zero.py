@@ -26,6 +26,8 @@ CASES = [
     # ZeRO-Offload with every bucket on the host: the host gradient partition and the chunked fused step
     Case("zero_offload-host-fp32-acc2", "zero_offload", SMALL, accumulate=2),
     Case("zero_offload-host-bf16-clip", "zero_offload", SMALL, precision="bf16-mixed", clip=0.05),
+    Case("zero_offload-host-fp32-acc2-clip-value", "zero_offload", SMALL, accumulate=2, clip=0.01,
+         clip_algorithm="value"),
     Case("zero_offload-host-fp16-acc2-clip", "zero_offload", SMALL, precision="16-mixed", accumulate=2, clip=0.05,
          init_scale=1024.0),
     # ... and stepping each bucket on the host during backward (no hook reads the gradients, no clipping; on by

@@ -72,6 +72,35 @@ def test_host_adam_equals_torch_fused_adam(path, cls, options, grad_dtype, out_d
             torch.testing.assert_close(state[key], want[key][lo : lo + piece.numel()], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_path_of_the_kernel_gives_the_same_bits(grad_dtype, threads):
+    """However a run is cut into calls, tiles and code paths (the streaming path for an aligned separate bf16 output,
+    the general loop otherwise, in any alignment), each element's update is the same expression: the same bits."""
+    if not host_adam_module.uses_kernel():
+        pytest.skip(f"the kernel is not built here: {native.why_not('host_adam')}")
+    torch.manual_seed(0)
+    n = 4099
+    start = torch.randn(n)
+    grads = [torch.randn(n).to(grad_dtype) for _ in range(3)]
+    results = []
+    for shift, cuts in ((0, [n]), (1, [n]), (0, [7, 1000, n - 1007]), (3, [2048, n - 2048])):
+        master = start.clone()
+        pieces = list(master.split(cuts))
+        opt = torch.optim.AdamW(pieces, lr=1e-2, weight_decay=0.1)
+        offsets = [sum(cuts[:i]) for i in range(len(cuts))]
+        adam = HostAdam(opt, [(master, 0, list(zip(pieces, offsets, strict=True)))])
+        out = torch.empty(n + shift, dtype=torch.bfloat16)[shift:]  # shifted by 2 bytes: no longer 32-byte aligned
+        for grad in grads:
+            adam.begin(0.5, threads)
+            for piece, offset, size in zip(pieces, offsets, cuts, strict=True):  # one call per piece
+                adam.step([piece], [grad[offset : offset + size]], [out[offset : offset + size]])
+        results.append((master, opt.state[pieces[0]]["exp_avg"], out))
+    for master, _, out in results[1:]:
+        assert torch.equal(master, results[0][0]) and torch.equal(out, results[0][2])
+    assert torch.equal(results[0][2], results[0][0].bfloat16())
+
+
 def test_conversions_round_to_nearest_even_as_torch_does():
     """The kernel's compute-dtype copies equal torch's conversions of the same fp32 values, subnormals, rounding
     ties, overflow and infinities included; fp16 gradients are read exactly (every finite half, each once)."""

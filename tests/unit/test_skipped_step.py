@@ -54,10 +54,10 @@ def windows() -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
             for _ in range(3)]
 
 
-def hand_loop() -> list[dict[str, torch.Tensor]]:
-    """fp32 SGD on each whole window, the poisoned one skipped."""
+def hand_loop(optimizer: type = torch.optim.SGD, lr: float = 0.5) -> list[dict[str, torch.Tensor]]:
+    """fp32 ``optimizer`` on each whole window, the poisoned one skipped."""
     net = Net()
-    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    opt = optimizer(net.parameters(), lr=lr)
     out = []
     for w, window in enumerate(windows()):
         if w != 1:
@@ -69,8 +69,11 @@ def hand_loop() -> list[dict[str, torch.Tensor]]:
     return out
 
 
-@pytest.mark.parametrize(("name", "options"), STRATEGIES, ids=[f"{n}-{o}" for n, o in STRATEGIES])
-def test_the_step_after_an_overflow_skip_is_whole(name, options):
+@pytest.mark.parametrize(("name", "options", "optimizer", "lr"),
+                         [(n, o, torch.optim.SGD, 0.5) for n, o in STRATEGIES]
+                         + [("zero_offload", {"bucket_mb": 1e-4}, torch.optim.AdamW, 0.01)],  # the host Adam kernel
+                         ids=[f"{n}-{o}" for n, o in STRATEGIES] + ["zero_offload-adamw"])
+def test_the_step_after_an_overflow_skip_is_whole(name, options, optimizer, lr):
     world = SimWorld(2, device=CPU)
     nets = [Net() for _ in range(2)]
     data = windows()
@@ -79,7 +82,7 @@ def test_the_step_after_an_overflow_skip_is_whole(name, options):
         strategy = get_strategy(name, **options)
         strategy.setup_environment(Environment(rank=r, world_size=2), comm=world.comm(r))
         net = nets[r]
-        strategy.setup(net, torch.optim.SGD(net.parameters(), lr=0.5), Precision.from_name("16-mixed"))
+        strategy.setup(net, optimizer(net.parameters(), lr=lr), Precision.from_name("16-mixed"))
         step = OptimizerStep(strategy, StepConfig(2), DynamicLossScaler(init_scale=8.0), HookDispatch(None, net))
         params, stepped = [], []
         for w, window in enumerate(data):
@@ -93,7 +96,7 @@ def test_the_step_after_an_overflow_skip_is_whole(name, options):
 
     params, stepped = world.run(rank)[0]
     assert stepped == [True, False, True]
-    for w, (got, want) in enumerate(zip(params, hand_loop(), strict=True)):
+    for w, (got, want) in enumerate(zip(params, hand_loop(optimizer, lr), strict=True)):
         for key, value in want.items():
             torch.testing.assert_close(got[key], value, rtol=2e-2, atol=2e-3,
                                        msg=lambda m, k=key, w=w: f"window {w}, {k}: {m}")
