@@ -208,7 +208,8 @@ def run_case(case: Case, world_size: int, per_rank_batch: int, accelerator: str)
         val_check_interval=5 if case.validate else None,
         strategy=strategy, precision=case.precision, accumulate_grad_batches=case.accumulate,
         gradient_clip_val=case.clip, gradient_clip_algorithm=case.clip_algorithm, max_steps=case.steps, seed=0,
-        logger=False, enable_progress_bar=False, enable_checkpointing=False, num_sanity_val_steps=0, callbacks=[probe], timeout_s=120,
+        logger=False, enable_progress_bar=False, enable_checkpointing=False, num_sanity_val_steps=0, callbacks=[probe],
+        timeout_s=120,
         default_root_dir=tempfile.gettempdir(),
     )
     trainer.fit(module, DataLoader(data, batch_size=per_rank_batch, shuffle=True), val)
