@@ -1,5 +1,6 @@
 """The project's documents stand on their own: nothing cites design notes that are not in the repository (the
-project's design is docs/architecture.md), and every relative link between its markdown files resolves."""
+project's design is docs/architecture.md), every relative link between its markdown files resolves, and every
+source file they name exists."""
 
 from __future__ import annotations
 
@@ -24,3 +25,19 @@ def test_relative_links_between_documents_resolve():
             if not target.startswith("http") and not (page.parent / target).resolve().is_file():
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
     assert not broken, broken
+
+
+OUTSIDE = {"zero_to_fp32.py"}  # DeepSpeed's, named as the thing trainkit does differently
+
+
+def test_every_source_file_the_documents_name_exists():
+    """A file named in backticks (``comm.py``, ``sharding/engine.py``, ``trainkit_strategies/csrc/host_adam.c``) is a
+    file of the repository, by its path or the end of it: documents that name files since moved mislead."""
+    tracked = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*")
+               if p.is_file() and not {".git", ".venv", "runs", "checkpoints"} & set(p.relative_to(ROOT).parts)]
+    missing = []
+    for page in [p for p in FILES if p.suffix == ".md"]:
+        for name in re.findall(r"`([A-Za-z0-9_./-]+\.(?:py|c|toml))`", page.read_text()):
+            if name not in OUTSIDE and not any(r == name or r.endswith("/" + name) for r in tracked):
+                missing.append(f"{page.relative_to(ROOT)}: {name}")
+    assert not missing, missing
