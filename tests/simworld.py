@@ -44,7 +44,7 @@ from trainkit_strategies import comm as comm_module
 META = torch.device("meta")
 CPU = torch.device("cpu")
 aten = torch.ops.aten
-_EXECUTOR_USERS = ("trainkit_strategies.data_parallel.zero", "trainkit_strategies.data_parallel.offload")
+_EXECUTOR_USERS = ("trainkit_strategies.data_parallel.gradients", "trainkit_strategies.data_parallel.offload")
 for _name in _EXECUTOR_USERS:
     importlib.import_module(_name)
 

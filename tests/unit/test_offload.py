@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 from trainkit_strategies import Environment, Precision, get_strategy, native
 from trainkit_strategies import host_adam as host_adam_module
 from trainkit_strategies import master as master_module
-from trainkit_strategies.data_parallel.zero import OffloadedGradients
+from trainkit_strategies.data_parallel.gradients import OffloadedGradients
 from trainkit_strategies.host_adam import HostAdam
 
 
@@ -379,7 +379,7 @@ def test_host_device_transfers_are_two_per_bucket_without_conversion(monkeypatch
         return real(dst, src)
 
     monkeypatch.setattr(master_module, "transfer", counted)
-    monkeypatch.setattr("trainkit_strategies.data_parallel.zero.transfer", counted)
+    monkeypatch.setattr("trainkit_strategies.data_parallel.gradients.transfer", counted)
     torch.manual_seed(0)
     for in_backward in (False, True):
         model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(24)]).cuda()
@@ -444,7 +444,7 @@ def test_offload_accumulation_never_waits_for_the_bus_inside_backward(monkeypatc
 
     waits: list[tuple[str, bool]] = []
     pending = lambda self: object()  # a pending copy
-    monkeypatch.setattr("trainkit_strategies.data_parallel.zero.CopyStream.mark", pending)
+    monkeypatch.setattr("trainkit_strategies.data_parallel.gradients.CopyStream.mark", pending)
     monkeypatch.setattr(CopyStream, "wait", staticmethod(lambda event: None))  # a wait on the device, not the host
     monkeypatch.setattr(CopyStream, "synchronize", staticmethod(
         lambda event: waits.append((threading.current_thread().name, torch._C._current_graph_task_id() != -1))))

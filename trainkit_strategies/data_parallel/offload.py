@@ -34,7 +34,8 @@ from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
 from trainkit_strategies.base import StepsInBackward
-from trainkit_strategies.data_parallel.zero import OffloadedGradients, Zero2Strategy
+from trainkit_strategies.data_parallel.gradients import OffloadedGradients
+from trainkit_strategies.data_parallel.zero import Zero2Strategy
 from trainkit_strategies.flat import FlatBucket
 from trainkit_strategies.hostcopy import CopyStream, host_buffer, mark
 from trainkit_strategies.memory import MemoryReport
