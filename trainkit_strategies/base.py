@@ -10,8 +10,8 @@ state maps to universal checkpoints. It never imports trainkit, so it can be dri
     loss = model(x).mean(); strategy.backward(loss)
     strategy.reduce_gradients(1.0 / strategy.world_size); strategy.optimizer_step(); strategy.zero_grad()
 
-Optional abilities are separate small interfaces at the bottom of this file; callers test for them
-with ``isinstance(strategy, Capability)`` and never for a concrete strategy class.
+Optional abilities are separate small interfaces in ``capabilities.py``; callers test for them with
+``isinstance(strategy, Capability)`` and never for a concrete strategy class.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from abc import ABC, abstractmethod
+from abc import ABC
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -28,9 +28,11 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
+from trainkit_strategies.capabilities import SelfReducing, check_optimizer, optimizer_extras
 from trainkit_strategies.comm import Comm
 from trainkit_strategies.environment import Environment
 from trainkit_strategies.memory import MemoryReport
+from trainkit_strategies.norms import local_norm
 from trainkit_strategies.precision import Precision
 
 
@@ -198,7 +200,7 @@ class Strategy(ABC):
     def grad_norm(self, norm_type: float = 2.0, exclude: Collection[Tensor] = ()) -> Tensor:
         """The global gradient norm: shards combined across ranks where the strategy shards. ``exclude``: parameters
         (kept apart) whose gradients another rank counts."""
-        return _local_norm(self._counted(exclude), norm_type, self.device)
+        return local_norm(self._counted(exclude), norm_type, self.device)
 
     def _counted(self, exclude: Collection[Tensor]) -> list[Tensor]:
         if not exclude:
@@ -421,114 +423,3 @@ class Strategy(ABC):
 
     def teardown(self) -> None:
         """Release communication resources; the module stays usable on this rank."""
-
-
-def _local_norm(grads: list[Tensor], norm_type: float, device: torch.device) -> Tensor:
-    """The norm of ``grads`` together, on ``device``: per place they live (offloaded shards are in host memory),
-    one norm there, and only those scalars move."""
-    if not grads:
-        return torch.zeros((), device=device)
-    places: dict[torch.device, list[Tensor]] = {}
-    for g in grads:
-        places.setdefault(g.device, []).append(g)
-    totals = []
-    for place, group in places.items():
-        norms = torch._foreach_norm(group, norm_type, dtype=torch.float32)  # fp16 norms overflow at 65504
-        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-        totals.append(total if place == device else total.to(device))
-    return totals[0] if len(totals) == 1 else torch.linalg.vector_norm(torch.stack(totals), norm_type)
-
-
-def sharded_norm(shards: list[Tensor], norm_type: float, comm: Comm, device: torch.device) -> Tensor:
-    """The norm of the concatenation of every rank's ``shards`` (zero padding does not change it)."""
-    local = _local_norm(shards, norm_type, device)
-    if not comm.active:
-        return local
-    if norm_type == float("inf"):
-        comm.all_reduce(local, "max")
-        return local
-    powered = local.pow(norm_type)
-    comm.all_reduce(powered)
-    return powered.pow(1.0 / norm_type)
-
-
-# -- capabilities ----------------------------------------------------------------------------------
-class SelfReducing(ABC):
-    """An optimizer that, from some step on, averages across the data-parallel ranks itself (in compressed
-    form), so the strategy leaves each rank's gradients local. Strategies that can run one set
-    ``accepts_self_reducing`` and ``bind`` it to their communicator."""
-
-    @abstractmethod
-    def bind(self, comm: Comm) -> None: ...
-
-    @property
-    @abstractmethod
-    def reduces_gradients(self) -> bool:
-        """The next step averages across ranks itself: the strategy does not all-reduce its gradients."""
-
-    @abstractmethod
-    def local_state(self) -> dict[str, Tensor]:
-        """Per-rank state (error feedback buffers) for checkpoints."""
-
-    @abstractmethod
-    def load_local_state(self, state: dict[str, Tensor]) -> None: ...
-
-    def cached(self) -> list[Tensor]:
-        """Tensors kept between steps that are neither state nor checkpointed (caches), for memory reports."""
-        return []
-
-
-def optimizer_extras(strategy: Strategy) -> list[Tensor]:
-    """What an optimizer holds beyond ``optimizer.state``: compression's error feedback and its caches."""
-    extras = list(strategy.local_state().values())
-    if isinstance(strategy.optimizer, SelfReducing):
-        extras += strategy.optimizer.cached()
-    return extras
-
-
-def check_optimizer(strategy: Strategy, optimizer: Optimizer | None) -> None:
-    """Fail, naming the fix, when ``optimizer`` averages across ranks itself under a strategy that cannot run it."""
-    if isinstance(optimizer, SelfReducing) and not strategy.accepts_self_reducing:
-        raise ValueError(
-            f"{type(optimizer).__name__} compresses the ranks' communication itself, which the {strategy.name!r} "
-            "strategy does not support: run it under --trainer.strategy ddp, zero1 or zero2 (zero_offload only with "
-            "offload false), or use torch.optim.AdamW with this strategy."
-        )
-
-
-class StepsInBackward(ABC):
-    """The strategy can take the optimizer step during the window's last backward, bucket by bucket as each bucket's
-    gradients are reduced (ZeRO-Offload's host step), when it knows the gradient multiplier before that backward and
-    nothing needs the gradients before the step (no clipping by norm, no overflow check, no hook that reads them)."""
-
-    @abstractmethod
-    def step_in_backward(self, scale: float | Tensor) -> bool:
-        """Called just before the window's last backward with the ``scale`` ``reduce_gradients`` will receive.
-        Returns whether the step will run during that backward; ``reduce_gradients(scale)`` and ``optimizer_step()``
-        are then called as usual and finish it (the gradients are spent by then)."""
-
-
-class ShardedInit(ABC):
-    """The strategy can build the model on the meta device and materialise only this rank's shards."""
-
-    @abstractmethod
-    def init_context(self) -> contextlib.AbstractContextManager: ...
-
-
-class RunsSchedule(ABC):
-    """The strategy runs forward and backward of a batch itself (pipeline schedules)."""
-
-    @abstractmethod
-    def run_schedule(self, module: nn.Module, batch: Any, weight: float) -> tuple[Tensor, Tensor | float]:
-        """Forward and backward of ``batch``, each loss item weighted by ``weight``. Returns the batch's
-        mean loss (on every rank) and the items this rank's losses counted (0 where no loss is computed)."""
-
-    @abstractmethod
-    def eval_schedule(self, module: nn.Module, batch: Any, batch_idx: int, fn: str = "validate") -> dict[str, Tensor]:
-        """Forward-only evaluation of ``batch`` for ``fn`` ("validate" or "test"): metrics, identical on the
-        ranks that run the schedule together."""
-
-    @abstractmethod
-    def evaluates(self, module: nn.Module, has_validation_step: bool) -> bool:
-        """Whether validation runs for ``module`` under this schedule (``has_validation_step``: the module
-        overrides ``validation_step``)."""

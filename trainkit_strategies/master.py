@@ -22,11 +22,11 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 from trainkit_strategies import state as st
-from trainkit_strategies.base import sharded_norm
 from trainkit_strategies.environment import Environment
 from trainkit_strategies.flat import FlatBucket
 from trainkit_strategies.host_adam import HostAdam, follows, supported
 from trainkit_strategies.hostcopy import CopyStream, host_buffer, synchronize
+from trainkit_strategies.norms import sharded_norm
 
 _FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 

@@ -32,7 +32,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
-from trainkit_strategies.base import Strategy, check_optimizer
+from trainkit_strategies.base import Strategy
+from trainkit_strategies.capabilities import check_optimizer
 from trainkit_strategies.comm import Comm, PlanComm
 from trainkit_strategies.context.ring import METHODS, ContextParallel, context_parallel, shard_sequence
 from trainkit_strategies.environment import Environment

@@ -8,13 +8,13 @@ import torch
 from torch import nn
 
 from trainkit_strategies import Environment, Precision, get_strategy
-from trainkit_strategies.base import _local_norm
+from trainkit_strategies.norms import local_norm
 from trainkit_strategies.sharding.fsdp import FSDPStrategy
 
 
 def test_fp16_norm_above_fp16_range_is_finite():
     grads = [torch.full((10,), 60000.0, dtype=torch.float16), torch.ones(3, dtype=torch.float16)]
-    norm = _local_norm(grads, 2.0, torch.device("cpu"))
+    norm = local_norm(grads, 2.0, torch.device("cpu"))
     expected = torch.linalg.vector_norm(torch.cat([g.float() for g in grads]))
     assert torch.isfinite(norm) and torch.allclose(norm, expected)
 

@@ -32,7 +32,8 @@ from torch import Tensor, nn
 from torch.autograd import Variable
 from torch.optim import Optimizer
 
-from trainkit_strategies.base import SelfReducing, Strategy
+from trainkit_strategies.base import Strategy
+from trainkit_strategies.capabilities import SelfReducing
 from trainkit_strategies.comm import Handle
 from trainkit_strategies.data_parallel.powersgd import PowerSGD
 from trainkit_strategies.flat import FIRST_BUCKET_BYTES, OrderedLauncher, pack

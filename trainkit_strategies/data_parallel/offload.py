@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
-from trainkit_strategies.base import StepsInBackward
+from trainkit_strategies.capabilities import StepsInBackward
 from trainkit_strategies.data_parallel.gradients import OffloadedGradients
 from trainkit_strategies.data_parallel.zero import Zero2Strategy
 from trainkit_strategies.flat import FlatBucket

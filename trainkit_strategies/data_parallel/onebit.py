@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from trainkit_strategies.base import SelfReducing
+from trainkit_strategies.capabilities import SelfReducing
 from trainkit_strategies.comm import Comm, Handle
 
 # Eight 0/1 bytes read as one little-endian int64, times this constant, carry byte i to bit 63-i and nothing else

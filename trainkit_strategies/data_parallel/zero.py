@@ -31,7 +31,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
-from trainkit_strategies.base import SelfReducing, Strategy, optimizer_extras
+from trainkit_strategies.base import Strategy
+from trainkit_strategies.capabilities import SelfReducing, optimizer_extras
 from trainkit_strategies.data_parallel.gradients import (
     GradientLayout,
     Group,

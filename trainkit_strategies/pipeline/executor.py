@@ -37,7 +37,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
-from trainkit_strategies.base import RunsSchedule, Strategy, check_optimizer
+from trainkit_strategies.base import Strategy
+from trainkit_strategies.capabilities import RunsSchedule, check_optimizer
 from trainkit_strategies.comm import Comm, Handle
 from trainkit_strategies.environment import Environment
 from trainkit_strategies.layout import AXES, Layout, Mesh

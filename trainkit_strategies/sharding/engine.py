@@ -36,7 +36,8 @@ from torch.autograd import Variable
 from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
-from trainkit_strategies.base import ShardedInit, Strategy, check_optimizer
+from trainkit_strategies.base import Strategy
+from trainkit_strategies.capabilities import ShardedInit, check_optimizer
 from trainkit_strategies.comm import Comm
 from trainkit_strategies.flat import BucketReducer, FlatBucket, OrderedLauncher
 from trainkit_strategies.master import DeferredGradScale, MasterShards
