@@ -110,8 +110,8 @@ def memory_table(seq: int, layers: int = 12, width: int = 768, heads: int = 12, 
 
     from trainkit.activation import apply_activation_checkpointing
     from trainkit_strategies import ActivationMeter
-    from trainkit_strategies.comm import PlanComm
     from trainkit_strategies.context.ring import ContextParallel, context_parallel, shard_sequence
+    from trainkit_strategies.plan_comm import PlanComm
 
     rows = []
     for cp in (1, 2, 4, 8):

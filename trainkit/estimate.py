@@ -35,8 +35,8 @@ from trainkit.activation import apply_activation_checkpointing
 from trainkit.optim import parse_optimizers
 from trainkit.step import unpack_output
 from trainkit_strategies import ActivationMeter, Environment, Precision, RunsSchedule, Strategy, get_strategy
-from trainkit_strategies.comm import PlanComm
 from trainkit_strategies.memory import LiveBytes
+from trainkit_strategies.plan_comm import PlanComm
 from trainkit_strategies.sharding.units import repeated_layers
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero_offload", "zero3", "fsdp", "pipeline")

@@ -162,7 +162,7 @@ class Handle:
                 self._work = self._comm._guard(next, self._rounds, None)
 
 
-_DONE = Handle()
+DONE = Handle()  # a handle with nothing to wait for
 
 
 class Comm:
@@ -288,12 +288,12 @@ class Comm:
         if async_op:
             return Handle(work, self)
         self._wait(work)
-        return _DONE
+        return DONE
 
     # -- collectives -------------------------------------------------------------------------------
     def all_reduce(self, tensor: Tensor, op: str = "sum", async_op: bool = False) -> Handle:
         if not self.active:
-            return _DONE
+            return DONE
         self._count("all_reduce", tensor)
         return self._run(dist.all_reduce, tensor, op=_OPS[op], async_op=async_op)
 
@@ -304,7 +304,7 @@ class Comm:
         """
         if not self.active:
             _copy_alone(output, input)
-            return _DONE
+            return DONE
         self._count("reduce_scatter", input, output)
         if self.ring and op == "sum":
             return self._drive(self._ring_reduce_scatter(output, input), async_op)
@@ -314,7 +314,7 @@ class Comm:
         """``output`` (N times ``input``) receives every rank's ``input`` in rank order."""
         if not self.active:
             _copy_alone(output, input)
-            return _DONE
+            return DONE
         self._count("all_gather", output, input)
         if self.ring:
             return self._drive(self._ring_all_gather(output, input), async_op)
@@ -324,7 +324,7 @@ class Comm:
         handle = Handle(None, self, rounds)
         if not async_op:
             handle.wait()
-            return _DONE
+            return DONE
         return handle
 
     def _exchange(self, send: Tensor, recv: Tensor, tag: int, distance: int = 1) -> list[Any]:
@@ -372,7 +372,7 @@ class Comm:
         """
         if not self.active:
             _copy_alone(output, input)
-            return _DONE
+            return DONE
         self._count("all_to_all", input, output)
         if self.ring:
             return self._drive(self._pairwise_all_to_all(output, input), async_op)
@@ -389,7 +389,7 @@ class Comm:
     def broadcast(self, tensor: Tensor, src: int = 0, async_op: bool = False) -> Handle:
         """``src`` is a rank within this group."""
         if not self.active:
-            return _DONE
+            return DONE
         self._count("broadcast", tensor)
         return self._run(dist.broadcast, tensor, src=self.ranks[src], async_op=async_op)
 
@@ -416,7 +416,7 @@ class Comm:
         members = list(range(self.world_size)) if ring is None else ring
         if len(members) == 1:
             recv.copy_(send)
-            return _DONE
+            return DONE
         self._count("send", send)
         self._tag += 1
         at = members.index(self.rank)
@@ -463,53 +463,3 @@ class Comm:
                 _heartbeat.declare(f"rank {self.ranks[self.rank]} failed ({reason})")
             _destroy_at_exit()
             self.world_size = 1
-
-
-
-class PlanComm(Comm):
-    """``world_size`` ranks as seen from ``rank``, with every collective and point-to-point operation counted and
-    none performed: what ``trainkit estimate`` sets strategies up with on the meta device, so the bytes a plan reports
-    for a step are the bytes the strategy's own code issues in one (padding, buffer broadcasts, compression and
-    pipeline traffic included), not a formula. Receives leave their buffers as they are; object collectives answer
-    with this rank's object."""
-
-    def __init__(self, world_size: int, rank: int = 0, device: torch.device | None = None,
-                 timeout_s: float = 1800.0) -> None:
-        self.world_size, self.rank, self.group = world_size, rank, None
-        self.ranks, self.timeout_s = list(range(world_size)), timeout_s
-        self.device = device if device is not None else torch.device("cpu")
-        self.stats, self.ring, self._tag = CommStats(), False, 0
-
-    def subgroup(self, ranks: list[int], fresh: bool = False, control: bool = False) -> Comm:
-        device = torch.device("cpu") if control else self.device
-        mine = self.ranks[self.rank]
-        return PlanComm(len(ranks), ranks.index(mine), device, self.timeout_s) if mine in ranks and len(ranks) > 1 \
-            else PlanComm(1, 0, device, self.timeout_s)
-
-    def _run(self, fn: Any, *args: Any, async_op: bool = False, **kwargs: Any) -> Handle:
-        return _DONE
-
-    def shift(self, send: Tensor, recv: Tensor, ring: list[int] | None = None) -> Handle:
-        if (self.world_size if ring is None else len(ring)) > 1:
-            self._count("send", send)
-        return _DONE
-
-    def send(self, tensor: Tensor, dst: int, tag: int = 0) -> Handle:
-        self._count("send", tensor)
-        return _DONE
-
-    def recv(self, tensor: Tensor, src: int, tag: int = 0) -> Handle:
-        self._count("recv", tensor)
-        return _DONE
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        return [obj] * self.world_size
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        return obj
-
-    def barrier(self) -> None:
-        pass
-
-    def abort(self, reason: str = "") -> None:
-        pass

@@ -34,10 +34,11 @@ from torch.optim import Optimizer
 from trainkit_strategies import state as st
 from trainkit_strategies.base import Strategy
 from trainkit_strategies.capabilities import check_optimizer
-from trainkit_strategies.comm import Comm, PlanComm
+from trainkit_strategies.comm import Comm
 from trainkit_strategies.context.ring import METHODS, ContextParallel, context_parallel, shard_sequence
 from trainkit_strategies.environment import Environment
 from trainkit_strategies.layout import Layout, Mesh
+from trainkit_strategies.plan_comm import PlanComm
 from trainkit_strategies.precision import DTYPE_NAMES, Precision
 from trainkit_strategies.registry import get_strategy
 from trainkit_strategies.tensor.plan import Applied, apply_plan
