@@ -17,6 +17,7 @@ from trainkit import checkpoint as ckpt
 from trainkit import launcher, resume
 from trainkit.activation import apply_activation_checkpointing, resolve_mode
 from trainkit.async_checkpoint import AsyncSaver
+from trainkit.auto import plan_auto
 from trainkit.callbacks.base import Callback
 from trainkit.callbacks.checkpointing import ModelCheckpoint
 from trainkit.callbacks.profiler import SimpleProfiler, make_profiler
@@ -25,17 +26,8 @@ from trainkit.callbacks.telemetry import Telemetry
 from trainkit.callbacks.throughput import ThroughputMonitor
 from trainkit.data import DataConnector, DataModule
 from trainkit.dispatch import HookDispatch
-from trainkit.estimate import (
-    AUTO_ORDER,
-    choose,
-    device_memory_of,
-    estimate,
-    first_batch,
-    human,
-    mesh_layouts,
-    meta_copy,
-    parse_bytes,
-)
+from trainkit.estimate import device_memory_of, first_batch, parse_bytes
+from trainkit.failures import leave_the_ranks
 from trainkit.loggers import Logger, TensorBoardLogger
 from trainkit.loops import EvalLoop, FitLoop, LoopConfig, Progress, loss_logger
 from trainkit.module import TrainModule
@@ -45,9 +37,8 @@ from trainkit.results import Results
 from trainkit.seed import rng_state, seed_everything
 from trainkit.signals import Preempted, StepSignals
 from trainkit.step import OptimizerStep, StepConfig
-from trainkit.utils import model_summary
+from trainkit.utils import model_summary, tensor_cores_idle
 from trainkit_strategies import DynamicLossScaler, Precision, ShardedInit, Strategy
-from trainkit_strategies.comm import PeerError, peer_failure
 from trainkit_strategies.registry import get_strategy
 
 
@@ -401,19 +392,9 @@ class Trainer(TrainerProperties):
                     cb.on_exception(self, module, exc)
                 except Exception as cb_exc:  # keep the original error in front of the user
                     rank_zero_warn(f"{type(cb).__name__}.on_exception failed: {cb_exc!r}")
-            if self.world_size > 1:
-                failure = peer_failure()
-                if not isinstance(exc, Preempted | PeerError) and failure is None:
-                    self.strategy.comm.abort(f"{type(exc).__name__}: {str(exc)[:300]}")
-                else:
-                    self.strategy.comm.abort()
-                if not isinstance(exc, Preempted):
-                    launcher.failed()
-                if failure is not None and not isinstance(exc, PeerError):  # a dead peer made this rank's wait fail
-                    exc = PeerError(f"A collective across {self.world_size} ranks failed: {failure}. Original "
-                                    f"error: {exc}")
-            if isinstance(exc, PeerError):
-                raise PeerError(f"{exc}\n{resume.resume_hint(self.checkpoint_dir)}") from exc
+            failure = leave_the_ranks(exc, self.strategy.comm, self.world_size, self.checkpoint_dir)
+            if failure is not None:
+                raise failure from exc
             raise
         finally:
             self.signals.uninstall(clean=sys.exc_info()[0] is None)
@@ -454,39 +435,20 @@ class Trainer(TrainerProperties):
         self.strategy.setup(module, optimizer, self.precision)
 
     def _choose_strategy(self, module: TrainModule) -> None:
-        """``strategy="auto"``: plan every candidate on a meta copy of the module and one training batch, take the
-        fastest that fits (rank 0's decision, broadcast), and log why."""
+        """``strategy="auto"``: rank 0's plan (``auto.py``), broadcast, and the chosen strategy in the planner's
+        place."""
         self._auto = False
         if self.data.train_dataloader is None:
             self.data.connect_train()
-        model = meta_copy(module)
-        with torch.device("meta"):
-            model.configure_model()
-        memory = self.device_memory or device_memory_of(self.strategy.device)
         try:
             batch = first_batch(self.data.train_dataloader)
-            checkpointing = resolve_mode(self.activation_checkpointing) if self.activation_checkpointing else None
-
-            def plan_with(layouts: list) -> Any:
-                return estimate(model, batch, self.world_size, self.precision.name, AUTO_ORDER, memory,
-                                self.activation_checkpointing, self.strategy.device.type, layouts,
-                                self.env.local_world_size or None, self.activation_checkpointing_every)
-
-            plan = plan_with([])
-            try:
-                row = choose(plan, checkpointing)
-            except ValueError:  # no one-axis strategy fits: the layouts of strategy="parallel" too
-                layouts = mesh_layouts(model, self.world_size, self.env.local_world_size or None)
-                if not layouts:
-                    raise
-                plan = plan_with(layouts)
-                row = choose(plan, checkpointing)
-            decision = (row.registered, row.options, f"strategy='auto': {row.describe_choice()}, the fastest plan "
-                        f"that fits: {human(row.need(checkpointing))} per rank of {human(memory)} ("
-                        + ", ".join(f"{r.strategy} {human(r.need(checkpointing))}" for r in plan.rows if r.applies)
-                        + ")")
         except ValueError as err:
-            decision = (None, {}, str(err))
+            decision: tuple = (None, {}, str(err))
+        else:
+            decision = plan_auto(module, batch, self.world_size, self.precision.name,
+                                 self.device_memory or device_memory_of(self.strategy.device),
+                                 self.activation_checkpointing, self.activation_checkpointing_every,
+                                 self.strategy.device.type, self.env.local_world_size or None)
         name, options, message = self.strategy.broadcast_object(decision)
         if name is None:
             raise ValueError(message)
@@ -515,10 +477,3 @@ class Trainer(TrainerProperties):
         width = max(len(k) for k in metrics)
         lines = [f"{fn} results"] + [f"  {k:<{width}}  {v:.6g}" for k, v in sorted(metrics.items())]
         print("\n".join(lines))
-
-
-def tensor_cores_idle(device: torch.device) -> bool:
-    """fp32 products on ``device`` would run without tensor cores that could take them: an Ampere-or-newer GPU
-    (compute capability 8.0 and up) with the fp32 matmul precision at "highest"."""
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
-            and torch.get_float32_matmul_precision() == "highest")

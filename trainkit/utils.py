@@ -58,3 +58,10 @@ def model_summary(module: torch.nn.Module) -> str:
     total = sum(p.numel() for p in params)
     lines.append(f"{_count(trainable)} trainable, {_count(total - trainable)} frozen, {_count(total)} total parameters")
     return "\n".join(lines)
+
+
+def tensor_cores_idle(device: torch.device) -> bool:
+    """fp32 products on ``device`` would run without tensor cores that could take them: an Ampere-or-newer GPU
+    (compute capability 8.0 and up) with the fp32 matmul precision at "highest"."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+            and torch.get_float32_matmul_precision() == "highest")

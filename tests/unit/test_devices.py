@@ -184,7 +184,7 @@ def test_mfu_peak_follows_what_the_matrix_products_run_on(monkeypatch):
 
 
 def test_float32_matmul_precision_is_a_trainer_option_and_idle_tensor_cores_are_named(monkeypatch):
-    from trainkit.trainer import tensor_cores_idle
+    from trainkit.utils import tensor_cores_idle
 
     before = torch.get_float32_matmul_precision()
     try:
