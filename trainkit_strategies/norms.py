@@ -27,7 +27,12 @@ def local_norm(grads: list[Tensor], norm_type: float, device: torch.device) -> T
 
 def sharded_norm(shards: list[Tensor], norm_type: float, comm: Comm, device: torch.device) -> Tensor:
     """The norm of the concatenation of every rank's ``shards`` (zero padding does not change it)."""
-    local = local_norm(shards, norm_type, device)
+    return combine_norm(local_norm(shards, norm_type, device), norm_type, comm)
+
+
+def combine_norm(local: Tensor, norm_type: float, comm: Comm, mean: bool = False) -> Tensor:
+    """The norm over the ranks of ``comm`` from each rank's norm ``local``: the p-th powers summed (averaged with
+    ``mean``: the ranks hold copies, not parts), the largest for the inf-norm; one scalar collective."""
     if not comm.active:
         return local
     if norm_type == float("inf"):
@@ -35,4 +40,4 @@ def sharded_norm(shards: list[Tensor], norm_type: float, comm: Comm, device: tor
         return local
     powered = local.pow(norm_type)
     comm.all_reduce(powered)
-    return powered.pow(1.0 / norm_type)
+    return (powered / comm.world_size if mean else powered).pow(1.0 / norm_type)

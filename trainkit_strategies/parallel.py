@@ -38,6 +38,7 @@ from trainkit_strategies.comm import Comm
 from trainkit_strategies.context.ring import METHODS, ContextParallel, context_parallel, shard_sequence
 from trainkit_strategies.environment import Environment
 from trainkit_strategies.layout import Layout, Mesh
+from trainkit_strategies.norms import combine_norm
 from trainkit_strategies.plan_comm import PlanComm
 from trainkit_strategies.precision import DTYPE_NAMES, Precision
 from trainkit_strategies.registry import get_strategy
@@ -246,15 +247,7 @@ class ParallelStrategy(Wrapper):
         """The inner strategy's norm of this rank's slices (whole parameters counted on tensor-parallel rank 0
         only), combined across the tensor-parallel group."""
         others = self._replicated if self.tp_rank != 0 else []
-        local = self.inner.grad_norm(norm_type, [*exclude, *others])
-        if not self.tp_comm.active:
-            return local
-        if norm_type == float("inf"):
-            self.tp_comm.all_reduce(local, "max")
-            return local
-        powered = local.pow(norm_type)
-        self.tp_comm.all_reduce(powered)
-        return powered.pow(1.0 / norm_type)
+        return combine_norm(self.inner.grad_norm(norm_type, [*exclude, *others]), norm_type, self.tp_comm)
 
     def own_comms(self) -> list[Comm]:
         return [self.tp_comm, self.dp_comm]

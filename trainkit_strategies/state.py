@@ -13,7 +13,7 @@ Keys: ``model/<name>`` for parameters (the fp32 master where one exists) and per
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -100,6 +100,21 @@ def rename_holder(holder: Holder, rename: Callable[[str], str]) -> Holder:
     """The same holder with its segments' tensor names mapped (a pipeline stage's names to the model's)."""
     segments = tuple(Segment(rename(s.name), s.start, s.stop, s.offset, s.strided) for s in holder.segments)
     return Holder(holder.tensor, segments, holder.write)
+
+
+def renamed_layout(layout: StateLayout, rename: Callable[[str], str], shapes: dict[str, tuple[int, ...]],
+                   group_names: list[list[str]], elsewhere: Collection[str] = ()) -> StateLayout:
+    """``layout`` of a part of a model (a pipeline stage) under the whole model's names and ``shapes``; a holder of
+    only names in ``elsewhere`` (tensors another rank writes: a weight tied across stages) is read, not written."""
+
+    def convert(holder: Holder) -> Holder:
+        named = rename_holder(holder, rename)
+        if named.segments and all(s.name in elsewhere for s in named.segments):
+            return Holder(named.tensor, named.segments, False)
+        return named
+
+    return StateLayout(shapes=shapes, model=[convert(h) for h in layout.model], optimizer=layout.optimizer,
+                       optimizer_holders=[convert(h) for h in layout.optimizer_holders], group_names=group_names)
 
 
 def whole_holder(name: str, tensor: Tensor, write: bool) -> Holder:

@@ -37,6 +37,7 @@ from trainkit_strategies.capabilities import SelfReducing
 from trainkit_strategies.comm import Handle
 from trainkit_strategies.data_parallel.powersgd import PowerSGD
 from trainkit_strategies.flat import FIRST_BUCKET_BYTES, OrderedLauncher, pack
+from trainkit_strategies.norms import combine_norm
 from trainkit_strategies.precision import Precision
 
 
@@ -212,14 +213,7 @@ class DDPStrategy(Strategy):
         mean) over ranks of each rank's gradient norm, the same on every rank, so fp16 overflow skips and
         clipping decide alike everywhere."""
         norm = super().grad_norm(norm_type, exclude)
-        if not (self._local and self.comm.active):
-            return norm
-        if norm_type == float("inf"):
-            self.comm.all_reduce(norm, "max")
-            return norm
-        powered = norm.pow(norm_type)
-        self.comm.all_reduce(powered)
-        return (powered / self.world_size).pow(1.0 / norm_type)
+        return combine_norm(norm, norm_type, self.comm, mean=True) if self._local else norm
 
     def optimizer_step(self) -> None:
         super().optimizer_step()

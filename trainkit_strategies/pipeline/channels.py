@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from trainkit_strategies.comm import Comm, Handle
+from trainkit_strategies.pipeline.schedules import rank_and_chunk
 
 _WIRE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
                 torch.bool]  # a header's dtype code is an index here
@@ -74,3 +75,22 @@ class Channel:
         buffer = torch.empty(shape, dtype=dtype, device=self.device)
         self.comm.recv(buffer, self.peer).wait()
         return buffer
+
+
+def links(comm: Comm, lines: list[list[int]], mine: int, chunks: int,
+          stages: int) -> tuple[Comm, dict[tuple[int, str], Comm]]:
+    """The communicators of pipeline ``mine`` of ``lines`` (each a pipeline's ranks in stage order): the host group its
+    shape headers travel on, and one communicator per boundary between consecutive chunks ``k`` and ``k + 1`` and per
+    direction ("F" activations, "B" gradients). Every rank creates every one of them, in one order. With one
+    communicator per boundary and direction, its two ends issue their sends and receives in the same order
+    (micro-batch order through that boundary), which NCCL needs (it matches them by order), whatever the schedule."""
+    headers = [comm.subgroup(line, control=True) for line in lines][mine]
+    pairs: dict[tuple[int, str], Comm] = {}
+    for i, line in enumerate(lines):
+        for k in range(chunks - 1):
+            pair = [line[rank_and_chunk(k, stages)[0]], line[rank_and_chunk(k + 1, stages)[0]]]
+            for direction in ("F", "B"):
+                link = comm.subgroup(pair, fresh=True)
+                if i == mine:
+                    pairs[(k, direction)] = link
+    return headers, pairs

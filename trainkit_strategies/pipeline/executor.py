@@ -29,7 +29,7 @@ import contextlib
 import copy
 import dataclasses
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -43,74 +43,25 @@ from trainkit_strategies.comm import Comm, Handle
 from trainkit_strategies.environment import Environment
 from trainkit_strategies.layout import AXES, Layout, Mesh
 from trainkit_strategies.memory import ActivationMeter
-from trainkit_strategies.pipeline.channels import Channel
-from trainkit_strategies.pipeline.schedules import SCHEDULES, gpipe, partition, rank_and_chunk, virtual_stage
+from trainkit_strategies.norms import combine_norm
+from trainkit_strategies.pipeline.channels import Channel, links
+from trainkit_strategies.pipeline.microbatches import (
+    first_tensor,
+    loss_items,
+    missing_hooks,
+    model_input,
+    signature,
+    split_batch,
+)
+from trainkit_strategies.pipeline.schedules import SCHEDULES, rank_and_chunk, schedule_for, virtual_stage
 from trainkit_strategies.pipeline.split_backward import WeightGradients, input_gradient
+from trainkit_strategies.pipeline.stages import Chunks, cut, owners
 from trainkit_strategies.precision import Precision
 from trainkit_strategies.registry import get_strategy
 from trainkit_strategies.wrapper import Wrapper
 
 DATA_PARALLEL = ("ddp", "zero1", "zero2", "fsdp")
 STAGE_AXES = tuple(a for a in AXES if a != "pp")  # the ranks running one stage
-
-
-class _Stage(nn.Module):
-    """This rank's layers, applied in order."""
-
-    def __init__(self, layers: Sequence[nn.Module]) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-
-    def forward(self, x: Any) -> Any:
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-class _Chunks(nn.Module):
-    """This rank's model chunks: ``chunks[c]`` is virtual stage ``c * stages + rank`` of the model."""
-
-    def __init__(self, chunks: Sequence[Sequence[nn.Module]]) -> None:
-        super().__init__()
-        self.chunks = nn.ModuleList(_Stage(layers) for layers in chunks)
-
-
-def _first_tensor(batch: Any) -> Tensor:
-    if isinstance(batch, Tensor):
-        return batch
-    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, list | tuple) else []
-    for value in values:
-        with contextlib.suppress(TypeError):
-            return _first_tensor(value)
-    raise TypeError(f"pipeline: found no tensor in the batch ({type(batch).__name__}) to cut into micro-batches.")
-
-
-def _split(batch: Any, parts: int) -> list[Any]:
-    """The batch cut into ``parts`` along the first dimension of every tensor, structure kept."""
-    if isinstance(batch, Tensor):
-        return list(batch.tensor_split(parts))
-    if isinstance(batch, Mapping):
-        split = {k: _split(v, parts) for k, v in batch.items()}
-        return [{k: v[i] for k, v in split.items()} for i in range(parts)]
-    if isinstance(batch, list | tuple):
-        split_items = [_split(v, parts) for v in batch]
-        return [type(batch)(v[i] for v in split_items) for i in range(parts)]
-    return [batch] * parts
-
-
-def _signature(batch: Any) -> tuple:
-    """The shapes and dtypes of a micro-batch's tensors: what fixes the shapes a stage produces."""
-    if isinstance(batch, Tensor):
-        return (tuple(batch.shape), batch.dtype)
-    if isinstance(batch, Mapping):
-        return tuple((k, _signature(v)) for k, v in batch.items())
-    if isinstance(batch, list | tuple):
-        return tuple(_signature(v) for v in batch)
-    return ()
-
-
-def _missing_hooks(module: nn.Module) -> list[str]:
-    return [name for name in ("pipeline_layers", "pipeline_loss") if not callable(getattr(module, name, None))]
 
 
 class PipelineStrategy(Wrapper, RunsSchedule):
@@ -189,19 +140,7 @@ class PipelineStrategy(Wrapper, RunsSchedule):
         # one pipeline per coordinate of the other axes, its ranks in stage order; every rank makes every group
         self._lines = [[self.comm.ranks[r] for r in line] for line in self.layout.groups(("pp",))]
         self._line = next(i for i, line in enumerate(self._lines) if self.comm.ranks[self.comm.rank] in line)
-        headers = [self.comm.subgroup(line, control=True) for line in self._lines]
-        self.headers = headers[self._line]  # the shapes crossing each boundary, on the host (gloo)
-        # one communicator per boundary between consecutive chunks k and k + 1 and per direction, per pipeline (every
-        # rank creating each): its two ends then issue their sends and receives in the same order (micro-batch
-        # order through that boundary), which NCCL needs (it matches them by order), whatever the schedule does
-        self.links: dict[tuple[int, str], Comm] = {}  # (k, "F" or "B") -> the pair's communicator, counted here
-        for i, line in enumerate(self._lines):
-            for k in range(stages * v - 1):
-                pair = [line[rank_and_chunk(k, stages)[0]], line[rank_and_chunk(k + 1, stages)[0]]]
-                for direction in ("F", "B"):
-                    link = self.comm.subgroup(pair, fresh=True)
-                    if i == self._line:
-                        self.links[(k, direction)] = link
+        self.headers, self.links = links(self.comm, self._lines, self._line, stages * v, stages)
         self.inner = self._make_inner()
         self.inner.setup_environment(
             dataclasses.replace(env, rank=on_stage.rank, local_rank=on_stage.rank, world_size=on_stage.world_size),
@@ -230,7 +169,7 @@ class PipelineStrategy(Wrapper, RunsSchedule):
 
     # -- setup ---------------------------------------------------------------------------------------
     def setup(self, module: nn.Module, optimizer: Optimizer | None, precision: Precision) -> None:
-        missing = _missing_hooks(module)
+        missing = missing_hooks(module)
         if missing:
             raise TypeError(
                 f"Strategy 'pipeline' needs {type(module).__name__} to define {' and '.join(missing)}: "
@@ -245,21 +184,10 @@ class PipelineStrategy(Wrapper, RunsSchedule):
             self._group_names = st.group_names_of(optimizer, names)
         self._shapes, _ = self._whole_state(skip=set())
         p, v = self.stages, self.virtual_stages
-        counts = self._split([sum(q.numel() for q in layer.parameters()) for layer in layers])
+        counts = cut([sum(q.numel() for q in layer.parameters()) for layer in layers], p, v, self.split)
         self.stage_sizes = counts  # layers per chunk, in model order (per stage when virtual_stages is 1)
         bounds = [sum(counts[:k]) for k in range(p * v + 1)]
-        rank_of: dict[nn.Parameter, set[int]] = {}  # the pipeline ranks holding each parameter
-        for k in range(p * v):
-            for layer in layers[bounds[k] : bounds[k + 1]]:
-                for q in layer.parameters():
-                    rank_of.setdefault(q, set()).add(rank_and_chunk(k, p)[0])
-        outside = [n for q, n in names.items() if q not in rank_of]
-        if outside:
-            raise ValueError(
-                f"pipeline: parameters outside every layer of pipeline_layers() would never train: "
-                f"{', '.join(outside[:5])}{' ...' if len(outside) > 5 else ''}. Include the modules holding them "
-                "in pipeline_layers(), or freeze them (requires_grad=False) and keep them out of the optimizer."
-            )
+        rank_of = owners(layers, bounds, p, names)  # the pipeline ranks holding each parameter
         mine = [q for q, ranks in rank_of.items() if self.stage in ranks]
         self._tied = []
         for q in names:  # every rank creates every group, in one order
@@ -285,7 +213,7 @@ class PipelineStrategy(Wrapper, RunsSchedule):
         for q, _, _ in self._tied:  # its gradient is summed across stages and counted in norms once
             self.inner.keep_apart([q])
         ks = [virtual_stage(self.stage, c, p) for c in range(v)]
-        self._stage = _Chunks([layers[bounds[k] : bounds[k + 1]] for k in ks])
+        self._stage = Chunks([layers[bounds[k] : bounds[k + 1]] for k in ks])
         self._virtual = ks  # chunk c is virtual stage ks[c]
         buffer_names = {id(b): n for n, b in st.persistent_buffers(module)}
         self._to_global = {n: names[q] for n, q in self._stage.named_parameters()}
@@ -321,11 +249,11 @@ class PipelineStrategy(Wrapper, RunsSchedule):
         bounds = [sum(self.stage_sizes[:k]) for k in range(len(self.stage_sizes) + 1)]
         crossing: dict[int, dict[tuple, tuple[tuple[int, ...], torch.dtype]]] = {}
         for chunk in self._chunks(batch):
-            x = self._input(module, chunk)
+            x = model_input(module, chunk)
             for k in range(len(bounds) - 2):
                 for layer in layers[bounds[k] : bounds[k + 1]]:
                     x = layer(x)
-                crossing.setdefault(k, {})[_signature(chunk)] = (tuple(x.shape), x.dtype)
+                crossing.setdefault(k, {})[signature(chunk)] = (tuple(x.shape), x.dtype)
         return crossing
 
     def expect(self, crossing: dict[int, dict[tuple, tuple[tuple[int, ...], torch.dtype]]]) -> None:
@@ -337,50 +265,20 @@ class PipelineStrategy(Wrapper, RunsSchedule):
                 if channel is not None:
                     channel.shapes.update(crossing[boundary])
 
-    def _split(self, sizes: list[int]) -> list[int]:
-        chunks = self.stages * self.virtual_stages
-        if self.split is None:
-            if len(sizes) < chunks:
-                raise ValueError(f"pipeline: {len(sizes)} pipeline_layers() cannot fill {self.stages} stages x "
-                                 f"{self.virtual_stages} virtual stages = {chunks} chunks of at least one layer.")
-            return partition(sizes, chunks)
-        if len(self.split) != chunks or sum(self.split) != len(sizes) or min(self.split) < 1:
-            raise ValueError(f"pipeline split={self.split} must give each of the {chunks} chunks (stages x "
-                             f"virtual_stages) at least one layer and add up to the module's {len(sizes)} "
-                             "pipeline_layers().")
-        return list(self.split)
-
     # -- the schedule --------------------------------------------------------------------------------
     def _chunks(self, batch: Any) -> list[Any]:
         """The batch in ``microbatches`` pieces (fewer for a batch with fewer samples, e.g. an epoch's last)."""
-        return _split(batch, min(self.microbatches, _first_tensor(batch).shape[0]))
+        return split_batch(batch, min(self.microbatches, first_tensor(batch).shape[0]))
 
     def _schedule_for(self, microbatches: int) -> list:
         if microbatches not in self._actions:
-            p, v = self.stages, self.virtual_stages
-            if self.schedule == "interleaved_1f1b" and microbatches % p:  # a short batch (an epoch's last)
-                schedule = gpipe(p, microbatches, v)
-            else:
-                schedule = SCHEDULES[self.schedule](p, microbatches, v)
+            schedule = schedule_for(self.schedule, self.stages, microbatches, self.virtual_stages)
             self._actions[microbatches] = schedule[self.stage]
         return self._actions[microbatches]
 
-    def _input(self, module: nn.Module, chunk: Any) -> Any:
-        hook = getattr(module, "pipeline_input", None)
-        if callable(hook):
-            return hook(chunk)
-        return chunk[0] if isinstance(chunk, list | tuple) else chunk
-
-    @staticmethod
-    def _items(loss: Any, chunk: Any) -> tuple[Tensor, Tensor | int]:
-        """The loss and how many items it averages: ``num_items`` when given, else the samples."""
-        if isinstance(loss, Mapping):
-            return loss["loss"], loss.get("num_items", _first_tensor(chunk).shape[0])
-        return loss, _first_tensor(chunk).shape[0]
-
     def run_schedule(self, module: nn.Module, batch: Any, weight: float) -> tuple[Tensor, Tensor | float]:
         chunks = self._chunks(batch)
-        keys = [_signature(c) for c in chunks]
+        keys = [signature(c) for c in chunks]
         actions = self._schedule_for(len(chunks))
         last_k = self.stages * self.virtual_stages - 1
         # the batch's mean loss, for progress bars and loggers on every stage: the last stage has it after its last
@@ -419,12 +317,12 @@ class PipelineStrategy(Wrapper, RunsSchedule):
                     if at + 1 < len(order):
                         self._recv_f[c].post(keys[order[at + 1]], order[at + 1])  # type: ignore[union-attr]
                 elif kind == "F":
-                    x = inputs[key] if k else self._input(module, chunks[mb])
+                    x = inputs[key] if k else model_input(module, chunks[mb])
                     meter = ActivationMeter(self._stage.parameters()) if self.measure_activations else None
                     with self.inner.forward_context(), meter or contextlib.nullcontext():
                         out = self._stage.chunks[c](x)
                         if k == last_k:
-                            loss, n = self._items(module.pipeline_loss(out, chunks[mb]), chunks[mb])
+                            loss, n = loss_items(module.pipeline_loss(out, chunks[mb]), chunks[mb])
                             loss_sum += loss.detach().double() * n
                             items = items + n
                             out = loss * (n * weight)
@@ -488,17 +386,17 @@ class PipelineStrategy(Wrapper, RunsSchedule):
         with torch.no_grad(), self.inner.forward_context():
             for c, k in enumerate(self._virtual):  # every micro-batch through chunk 0, then chunk 1, ...
                 for mb, chunk in enumerate(chunks):
-                    key = ("eval", _signature(chunk))
-                    x = self._recv_f[c].recv(key, -1) if k else self._input(module, chunk)  # type: ignore[union-attr]
+                    key = ("eval", signature(chunk))
+                    x = self._recv_f[c].recv(key, -1) if k else model_input(module, chunk)  # type: ignore[union-attr]
                     out = self._stage.chunks[c](x)
                     if k < last_k:
                         sends += self._send_f[c].send(out, key)  # type: ignore[union-attr]
                         continue
                     if callable(step):
-                        n = _first_tensor(chunk).shape[0]
+                        n = first_tensor(chunk).shape[0]
                         metrics = step(out, chunk, batch_idx * self.microbatches + mb)
                     else:
-                        loss, n = self._items(module.pipeline_loss(out, chunk), chunk)
+                        loss, n = loss_items(module.pipeline_loss(out, chunk), chunk)
                         metrics = {loss_name: loss}
                     for name, value in metrics.items():
                         total, weight = totals.get(name, (torch.zeros((), dtype=torch.float64, device="cpu"), 0.0))
@@ -519,13 +417,7 @@ class PipelineStrategy(Wrapper, RunsSchedule):
     def grad_norm(self, norm_type: float = 2.0, exclude: Collection[Tensor] = ()) -> Tensor:
         """The stage's norm (a shared parameter counted on its first stage only), combined across stages."""
         skip = [p for p, _, counted in self._tied if not counted]
-        local = self.inner.grad_norm(norm_type, [*exclude, *skip])
-        if norm_type == float("inf"):
-            self.pipe.all_reduce(local, "max")
-            return local
-        powered = local.pow(norm_type)
-        self.pipe.all_reduce(powered)
-        return powered.pow(1.0 / norm_type)
+        return combine_norm(self.inner.grad_norm(norm_type, [*exclude, *skip]), norm_type, self.pipe)
 
     def own_comms(self) -> list[Comm]:
         return [self.pipe, self.headers, *self.links.values(), *(c for _, c, _ in self._tied)]
@@ -535,7 +427,7 @@ class PipelineStrategy(Wrapper, RunsSchedule):
 
     # -- planning ------------------------------------------------------------------------------------
     def unfit_for(self, module: nn.Module, optimizer: Optimizer | None) -> str | None:
-        missing = _missing_hooks(module)
+        missing = missing_hooks(module)
         if missing:
             return f"the module has no {' or '.join(f'{m}()' for m in missing)}"
         return super().unfit_for(module, optimizer)
@@ -558,24 +450,10 @@ class PipelineStrategy(Wrapper, RunsSchedule):
     # -- state ---------------------------------------------------------------------------------------
     def state_layout(self) -> st.StateLayout:
         """The stage's holders under the module's names; a parameter tied across stages is written by its first."""
-        inner = self.inner.state_layout()
-        rename = self._to_global.__getitem__
         names = st.param_names(self._stage)
         elsewhere = {self._to_global[names[p]] for p, _, counted in self._tied if not counted}
-
-        def convert(holder: st.Holder) -> st.Holder:
-            renamed = st.rename_holder(holder, rename)
-            if renamed.segments and all(s.name in elsewhere for s in renamed.segments):
-                return st.Holder(renamed.tensor, renamed.segments, False)
-            return renamed
-
-        return st.StateLayout(
-            shapes=self._shapes,
-            model=[convert(h) for h in inner.model],
-            optimizer=inner.optimizer,
-            optimizer_holders=[convert(h) for h in inner.optimizer_holders],
-            group_names=self._group_names,
-        )
+        return st.renamed_layout(self.inner.state_layout(), self._to_global.__getitem__, self._shapes,
+                                 self._group_names, elsewhere)
 
     def _gathered(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         """Whole-model tensors on every rank from each stage's (collective over the world)."""

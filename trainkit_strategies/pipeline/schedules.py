@@ -182,6 +182,14 @@ def zero_bubble(stages: int, microbatches: int, virtual_stages: int = 1) -> list
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved_1f1b": interleaved_1f1b, "zero_bubble": zero_bubble}
 
 
+def schedule_for(name: str, stages: int, microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
+    """Schedule ``name`` for a batch of ``microbatches``: interleaved 1F1B runs groups of ``stages`` micro-batches, so
+    a batch that is not a multiple (an epoch's short last one) runs as GPipe over the same chunks."""
+    if name == "interleaved_1f1b" and microbatches % stages:
+        return gpipe(stages, microbatches, virtual_stages)
+    return SCHEDULES[name](stages, microbatches, virtual_stages)
+
+
 def _check(stages: int, microbatches: int, virtual_stages: int) -> None:
     if stages < 1 or microbatches < 1 or virtual_stages < 1:
         raise ValueError(f"A schedule needs stages, microbatches and virtual_stages >= 1; got {stages}, "
