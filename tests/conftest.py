@@ -15,6 +15,8 @@ import torch
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: exercises a CUDA-only path; skipped where no GPU is visible")
+    config.addinivalue_line("markers", "slow: starts processes of its own (ranks, the CLI, a launcher) or waits out a "
+                                       "timeout, or takes tens of seconds; `-m 'not slow'` is the contributor tier")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

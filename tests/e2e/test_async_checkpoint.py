@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import trainkit as tk
@@ -99,6 +100,7 @@ trainer.fit(Regression(), loader(regression_data(64), 4, shuffle=True))
 '''
 
 
+@pytest.mark.slow
 def test_a_crash_during_the_background_write_keeps_the_previous_checkpoint(tmp_path):
     script = tmp_path / "crash.py"
     script.write_text(CRASH_SCRIPT)
@@ -156,6 +158,7 @@ def _slow_rank(rank: int, port: int, root: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.slow
 def test_latest_lags_until_every_rank_has_made_its_file_durable(tmp_path):
     """Two ranks, rank 1 writing slowly: ``latest`` moves to a checkpoint only once rank 1's file of it is durable,
     so it lags behind the saves by the slow rank's write, and every save is committed by the end of fit."""

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests.e2e.cli_runs import ROOT
@@ -14,6 +15,8 @@ from tests.helpers import accelerator_for
 from trainkit.demo.gpt import DemoGPT
 from trainkit.demo.markov import MarkovData
 from trainkit.estimate import HEADROOM, estimate, first_batch
+
+pytestmark = pytest.mark.slow  # processes of their own (see conftest.py)
 
 ARGS = ["--trainer.devices", "2", "--trainer.accelerator", accelerator_for(2), "--trainer.max_steps", "2",
         "--trainer.enable_progress_bar", "false", "--trainer.logger", "false", "--trainer.timeout_s", "120",

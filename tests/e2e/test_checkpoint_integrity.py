@@ -26,6 +26,7 @@ def _rank_file(path):
     return path / "rank00000.safetensors"
 
 
+@pytest.mark.slow
 def test_byte_flip_is_detected_and_names_the_file(tmp_path):
     _train(tmp_path, 20)
     good, bad = tmp_path / "checkpoints" / "epoch=0-step=10", tmp_path / "checkpoints" / "epoch=1-step=20"
@@ -40,6 +41,7 @@ def test_byte_flip_is_detected_and_names_the_file(tmp_path):
     assert resumed.global_step == 30
 
 
+@pytest.mark.slow
 def test_truncation_is_detected_and_names_the_file(tmp_path):
     _train(tmp_path, 10)
     path = tmp_path / "checkpoints" / "epoch=0-step=10"
@@ -51,6 +53,7 @@ def test_truncation_is_detected_and_names_the_file(tmp_path):
     assert str(_rank_file(path)) in str(err.value)
 
 
+@pytest.mark.slow
 def test_altered_meta_json_is_detected(tmp_path):
     _train(tmp_path, 10)
     meta_path = tmp_path / "checkpoints" / "epoch=0-step=10" / "meta.json"
@@ -61,6 +64,7 @@ def test_altered_meta_json_is_detected(tmp_path):
         _train(tmp_path, 20, ckpt_path="last")
 
 
+@pytest.mark.slow
 def test_crash_mid_write_keeps_latest_on_previous_checkpoint(tmp_path, monkeypatch):
     _train(tmp_path, 10)
     dirpath = tmp_path / "checkpoints"
@@ -92,6 +96,7 @@ def test_crash_mid_write_keeps_latest_on_previous_checkpoint(tmp_path, monkeypat
     assert resumed.global_step == 20
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_model_ends_in_one_error_block(tmp_path):
     """Resumed into another configuration of the model, the run lists what does not fit, names the checkpoint and
     the fix, in one ``trainkit: error`` block (no traceback)."""

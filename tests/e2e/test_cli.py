@@ -79,6 +79,7 @@ def test_bad_values_fail_with_a_clear_message(tmp_path, capsys, args, message):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_bad_argument_prints_the_error_and_its_fix_once_without_the_usage(tmp_path):
     """One short block: the error naming the fix and where the options are; not the 40-line usage first, and once
     also when trainkit has launched the ranks (``--trainer.devices 2``: every rank fails the same way on the same

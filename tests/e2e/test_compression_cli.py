@@ -15,6 +15,8 @@ import torch
 
 from tests.e2e.cli_runs import ACCELERATOR, ROOT, fit, tensors
 
+pytestmark = pytest.mark.slow  # processes of their own (see conftest.py)
+
 POWERSGD = ("--trainer.strategy.compression", "powersgd", "--trainer.strategy.powersgd_rank", "2",
             "--trainer.strategy.powersgd_warmup_steps", "5")
 ONEBIT = ("--model.optimizer", "onebit_adam", "--model.freeze_step", "5")

@@ -6,6 +6,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # processes of their own (see conftest.py)
+
 
 def test_default_run_reaches_the_entropy_floor(tmp_path):
     cmd = [sys.executable, "-m", "trainkit.cli", "fit", "--trainer.enable_progress_bar", "false",

@@ -10,6 +10,8 @@ import torch
 
 from tests.e2e.cli_runs import assert_close_tensors, fit, scalars, tensors
 
+pytestmark = pytest.mark.slow  # processes of their own (see conftest.py)
+
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory) -> Path:

@@ -15,6 +15,8 @@ import torch
 
 from tests.e2e.cli_runs import ROOT, tensors
 
+pytestmark = pytest.mark.slow  # processes of their own (see conftest.py)
+
 SCRIPT = ROOT / "tests" / "e2e" / "elastic_train.py"
 
 

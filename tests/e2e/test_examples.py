@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -91,6 +92,7 @@ def test_own_shuffled_loader_trains_like_a_plain_loop(tmp_path):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_examples_gpt_trains_on_a_text_file_sharded_and_samples(tmp_path):
     text = tmp_path / "input.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 60)
@@ -161,6 +163,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.slow
 def test_test_subcommand_prints_the_same_results_under_pipeline(tmp_path):
     """`test` prints its results table with the progress bar off; a pipeline without
     pipeline_validation_step reports pipeline_loss as test_loss, equal to test_step's one-process value."""

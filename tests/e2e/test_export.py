@@ -76,6 +76,7 @@ def sharded_checkpoint(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_export_streams_with_peak_memory_below_half_the_model(sharded_checkpoint, tmp_path):
     model_bytes = LAYERS * (WIDTH * WIDTH + WIDTH) * 4
     proc = subprocess.run([sys.executable, "-c", MEASURE, str(sharded_checkpoint), str(tmp_path)],
@@ -95,6 +96,7 @@ def test_export_streams_with_peak_memory_below_half_the_model(sharded_checkpoint
     assert torch.equal(module[0].weight, reader.full("model/layers.0.weight"))
 
 
+@pytest.mark.slow
 def test_export_cli_writes_shards_with_a_hugging_face_index(sharded_checkpoint, tmp_path):
     out = tmp_path / "shards"
     proc = subprocess.run([sys.executable, "-m", "trainkit.cli", "export", str(sharded_checkpoint.parent), str(out),
@@ -156,6 +158,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("devices", "strategy"), [(1, "single"), (2, "fsdp")])
 def test_export_of_a_wrapped_hugging_face_model_loads_with_from_pretrained(tmp_path, devices, strategy):
     """``trainkit export --submodule gpt``: the wrapper's prefix is gone and the model's own config.json sits beside

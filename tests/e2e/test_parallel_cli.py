@@ -8,6 +8,8 @@ import pytest
 
 from tests.e2e.cli_runs import assert_close_tensors, fit, scalars, tensors
 
+pytestmark = pytest.mark.slow  # processes of their own (see conftest.py)
+
 GLOBAL_BATCH, SEQUENCES = 48, 720  # 15 steps per epoch: the checkpoint at step 10 is mid-epoch
 LAYOUT = ("--trainer.strategy.tp", "2", "--trainer.strategy.dp_shard", "2")
 

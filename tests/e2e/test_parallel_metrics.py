@@ -16,6 +16,8 @@ from tests.e2e.cli_runs import ROOT, scalars
 from tests.helpers import accelerator_for
 from trainkit.demo.gpt import DemoGPT
 
+pytestmark = pytest.mark.slow  # processes of their own (see conftest.py)
+
 VAL_SEQUENCES = 24
 
 

@@ -14,6 +14,8 @@ import pytest
 from tests.helpers import accelerator_for
 from trainkit.checkpoint import CheckpointReader
 
+pytestmark = pytest.mark.slow  # processes of their own (see conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = [
     "--trainer.accelerator", accelerator_for(2), "--trainer.devices", "2", "--trainer.strategy", "ddp",

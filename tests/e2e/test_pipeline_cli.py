@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.e2e.cli_runs import assert_close_tensors, fit, scalars, tensors
+
+pytestmark = pytest.mark.slow  # processes of their own (see conftest.py)
 
 
 def test_pipeline_runs_the_demo_and_resumes_under_single_and_back(tmp_path):

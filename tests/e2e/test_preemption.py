@@ -35,6 +35,7 @@ def cli(root: Path, *args: str) -> subprocess.CompletedProcess:
                            str(root), *args], capture_output=True, text=True, timeout=600, env=env, cwd=root)
 
 
+@pytest.mark.slow
 def test_sigterm_on_one_rank_checkpoints_every_rank_and_the_same_command_continues(tmp_path):
     straight = cli(tmp_path / "straight", "--model", "trainkit.demo.gpt.DemoGPT")
     assert straight.returncode == 0, straight.stderr[-3000:]

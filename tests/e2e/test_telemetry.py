@@ -7,11 +7,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import trainkit as tk
 from tests.e2e.cli_runs import ROOT, scalars
 from tests.helpers import Regression, accelerator_for, loader, regression_data
 
 
+@pytest.mark.slow
 def test_the_demo_logs_comm_time_and_memory_and_comm_equals_comm_stats(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "-m", "trainkit.cli", "fit", "--trainer.devices", "2", "--trainer.accelerator",

@@ -109,6 +109,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.slow
 def test_all_gather_stacks_every_rank(tmp_path):
     script = tmp_path / "gather.py"
     script.write_text(GATHER_SCRIPT)

@@ -3,7 +3,11 @@ included, and continues to the same parameters and validation loss as the uninte
 
 from __future__ import annotations
 
+import pytest
+
 from tests.e2e.cli_runs import assert_close_tensors, fit, scalars, tensors
+
+pytestmark = pytest.mark.slow  # processes of their own (see conftest.py)
 
 GLOBAL_BATCH, SEQUENCES = 48, 480  # 10 steps per epoch at every world size
 

@@ -7,6 +7,8 @@ import pytest
 
 from tests.parity.harness import FP32, Case, assert_parity, run_world
 
+pytestmark = pytest.mark.slow  # processes of their own (see conftest.py)
+
 STRATEGIES = ["ddp", "zero1", "zero2", "zero_offload", "fsdp", "zero3"]
 CASES = [Case(f"bn_{s}", s, steps=6, model="batchnorm", validate=True) for s in STRATEGIES]
 CASES.append(Case("bn_ddp_local", "ddp", {"broadcast_buffers": False}, steps=6, model="batchnorm", validate=True))

@@ -11,6 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -18,6 +19,8 @@ from tests.parity.harness import free_port
 from trainkit_strategies import Environment
 from trainkit_strategies.comm import MESSAGE_BYTES, Comm
 from trainkit_strategies.data_parallel.onebit import SignReduceScatter, compressed_all_reduce
+
+pytestmark = pytest.mark.slow  # processes of their own (see conftest.py)
 
 WORLD = 3
 N = 8 * WORLD * 40  # elements; a multiple of 8 bits per rank

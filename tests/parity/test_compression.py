@@ -9,6 +9,8 @@ import pytest
 from tests.parity.harness import Case, assert_parity, run_reference, run_world
 from trainkit_strategies.comm import CommStats
 
+pytestmark = pytest.mark.slow  # processes of their own (see conftest.py)
+
 SMALL_BUCKETS = {"bucket_mb": 0.0004}  # the 8-16-1 MLP over several buckets
 POWERSGD = {"compression": "powersgd"}
 ONEBIT = {"lr": 1e-2, "betas": (0.9, 0.95)}

@@ -6,6 +6,8 @@ import pytest
 
 from tests.parity.harness import Case, assert_parity, run_reference, run_world
 
+pytestmark = pytest.mark.slow  # processes of their own (see conftest.py)
+
 SMALL_BUCKETS = {"bucket_mb": 0.0004}  # ~400 B: the 8-16-1 MLP spreads over several buckets
 
 CASES = [

@@ -10,6 +10,8 @@ import pytest
 
 from tests.parity.harness import Case, assert_parity, run_reference, run_world
 
+pytestmark = pytest.mark.slow  # processes of their own (see conftest.py)
+
 MODELS = ("gpt", "llama")
 
 

@@ -7,6 +7,8 @@ import pytest
 
 from tests.parity.harness import Case, assert_parity, run_reference, run_world
 
+pytestmark = pytest.mark.slow  # processes of their own (see conftest.py)
+
 
 def _cases(world: int) -> list[Case]:
     cases = []

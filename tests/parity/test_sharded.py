@@ -6,6 +6,8 @@ import pytest
 
 from tests.parity.harness import Case, assert_parity, run_reference, run_world
 
+pytestmark = pytest.mark.slow  # processes of their own (see conftest.py)
+
 ZERO3 = {"persistence_threshold": 0, "bucket_mb": 0.0004}
 
 CASES = [

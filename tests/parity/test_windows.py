@@ -13,6 +13,8 @@ import pytest
 
 from tests.parity.harness import Case, assert_parity, run_case, run_reference, run_world
 
+pytestmark = pytest.mark.slow  # processes of their own (see conftest.py)
+
 SMALL = {"bucket_mb": 0.0004}  # several buckets per param group on the 8-16-1 MLP
 STRATEGIES = [("ddp", {}), ("zero1", SMALL), ("zero2", SMALL), ("zero_offload", {**SMALL, "ratio": 0.5}),
               ("zero3", {"persistence_threshold": 0}), ("fsdp", {}), ("pipeline", {"microbatches": 2})]

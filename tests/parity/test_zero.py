@@ -7,6 +7,8 @@ import pytest
 from tests.parity.harness import Case, assert_parity, run_reference, run_world
 from trainkit_strategies import host_adam, native
 
+pytestmark = pytest.mark.slow  # processes of their own (see conftest.py)
+
 SMALL = {"bucket_mb": 0.0004}  # several buckets per param group on the 8-16-1 MLP
 
 CASES = [

@@ -138,6 +138,7 @@ def one_gpu(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accelerator", ["cuda", "auto"])
 def test_more_devices_than_gpus_fails_before_launching(one_gpu, accelerator):
     with pytest.raises(RuntimeError) as err:
@@ -147,6 +148,7 @@ def test_more_devices_than_gpus_fails_before_launching(one_gpu, accelerator):
     assert "--trainer.devices 1" in message and "--trainer.accelerator cpu" in message
 
 
+@pytest.mark.slow
 def test_more_ranks_than_gpus_under_torchrun_fails_before_the_process_group(one_gpu, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
@@ -156,6 +158,7 @@ def test_more_ranks_than_gpus_under_torchrun_fails_before_the_process_group(one_
         Trainer(accelerator="cuda", logger=False)
 
 
+@pytest.mark.slow
 def test_a_rank_past_the_last_gpu_is_refused(one_gpu):
     """No wrap-around (rank 1 on cuda:0 would meet NCCL's "Duplicate GPU detected")."""
     assert Environment.resolve_device("cuda", 0) == torch.device("cuda", 0)
@@ -164,6 +167,7 @@ def test_a_rank_past_the_last_gpu_is_refused(one_gpu):
     assert Environment.resolve_device("cpu", 1) == torch.device("cpu")
 
 
+@pytest.mark.slow
 def test_cpu_runs_any_number_of_ranks_on_a_gpu_machine(one_gpu):
     Environment.check_gpu_count(4, "cpu")  # gloo on the CPU: no GPU needed
 

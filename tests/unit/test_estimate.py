@@ -105,6 +105,7 @@ print(json.dumps({"params": planned.parameters, "peak": peak,
 '''
 
 
+@pytest.mark.slow
 def test_a_1b_model_at_64_ranks_is_planned_without_allocating_it():
     proc = subprocess.run([sys.executable, "-c", BIG], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -130,6 +131,7 @@ SEVEN_B = ["estimate", "--model.vocab_size", "50304", "--model.block_size", "204
            "--devices_per_node", "8", "--nodes", "8", "--trainer.precision", "bf16-mixed", "--device_memory", "80GB"]
 
 
+@pytest.mark.slow
 def test_estimate_of_a_7_5b_model_at_64_ranks_agrees_with_the_zero_paper(capsys):
     """Rajbhandari et al. (2020), §5: per rank, DP 16Ψ, ZeRO-1 4Ψ + 12Ψ/N, ZeRO-2 2Ψ + 14Ψ/N, ZeRO-3 16Ψ/N; the
     sharded stages add one bucket in flight (the largest: the 50304 x 4096 embedding, 0.41 GB in bf16), ZeRO-2 two
@@ -183,6 +185,7 @@ FIVE_B = ["estimate", "--model.vocab_size", "50304", "--model.block_size", "1024
           "--trainer.precision", "bf16-mixed", "--device_type", "cuda", "--device_memory", "80GB"]
 
 
+@pytest.mark.slow
 def test_the_5_4b_offload_plan_fits_a_gpu_and_a_128_gb_host(capsys):
     """The GPT of benchmarks/offload.py --gpu (d=4096, 26 layers, 5.4B parameters) under zero_offload on one GPU,
     batch 1 x 1024: the host holds 14 bytes a parameter (fp32 master 4, Adam's moments 8, and the only page-locked

@@ -183,6 +183,7 @@ PARALLEL_LAYOUTS = [(2, {"tp": 2}), (2, {"tp": 2, "sequence_parallel": False}), 
                     (4, {"cp": 2, "tp": 2}), (4, {"cp": 2, "dp_shard": 2, "cp_method": "all_gather"})]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("world_size", "options"), PARALLEL_LAYOUTS,
                          ids=["-".join(f"{k}{v}" for k, v in o.items()) for _, o in PARALLEL_LAYOUTS])
 def test_parallel_layouts_keep_collectives_on_the_device(world_size, options):

@@ -64,6 +64,7 @@ def _probe(*args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp", "zero3"])
 def test_sharded_init_peak_is_a_shard_plus_one_unit(name):
     out = _probe(name, "4", "1", "blocks", "32")
@@ -75,6 +76,7 @@ def test_sharded_init_peak_is_a_shard_plus_one_unit(name):
     assert out["peak_rss_delta"] < 0.4 * out["full_fp32"]
 
 
+@pytest.mark.slow
 def test_one_billion_parameter_gpt_at_64_ranks():
     out = _probe("fsdp", "64", "5", "gpt1b", "bf16-mixed")
     psi, shard = out["psi"], out["shard_elements"]
