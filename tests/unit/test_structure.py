@@ -1,0 +1,93 @@
+"""The library's shape, held: no file above 480 lines (one idea each), and no import cycle between its modules at run
+time (imports under ``if TYPE_CHECKING:`` are for annotations only and do not count)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("trainkit", "trainkit_strategies")
+LIMIT = 480
+
+
+def _modules(root: Path) -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (root / package).rglob("*.py"):
+            name = ".".join(path.relative_to(root).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The modules of ``modules`` that ``name`` imports anywhere but under ``if TYPE_CHECKING:`` (``from package
+    import submodule`` counts as importing the submodule)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            found |= {f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names}
+    return {m for m in found if m in modules and m != name}
+
+
+def long_files(root: Path) -> dict[str, int]:
+    lengths = {str(p.relative_to(root)): len(p.read_text().splitlines()) for p in _modules(root).values()}
+    return {name: n for name, n in lengths.items() if n > LIMIT}
+
+
+def import_cycles(root: Path) -> list[list[str]]:
+    modules = _modules(root)
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append([*path[path.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    return cycles
+
+
+def test_no_library_file_exceeds_the_limit():
+    long = long_files(ROOT)
+    assert not long, f"split these by responsibility (at most {LIMIT} lines): {long}"
+
+
+def test_the_import_graph_has_no_cycle():
+    cycles = import_cycles(ROOT)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_checks_see_a_cycle_and_a_long_file(tmp_path):
+    """The checks above fail where they should: on modules that import each other (one of them inside a function,
+    which still runs), and on a file longer than the limit; an import for annotations only is no cycle."""
+    package = tmp_path / "trainkit"
+    package.mkdir()
+    (tmp_path / "trainkit_strategies").mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from trainkit import b\n")
+    (package / "b.py").write_text("def f():\n    from trainkit.a import x\n" + "\n" * LIMIT)
+    (package / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from trainkit import d\n")
+    (package / "d.py").write_text("from trainkit import c\n")
+    assert import_cycles(tmp_path) == [["trainkit.a", "trainkit.b", "trainkit.a"]]
+    assert long_files(tmp_path) == {"trainkit/b.py": LIMIT + 2}
