@@ -47,6 +47,8 @@ class Strategy(ABC):
     name: ClassVar[str]
     broadcast_buffers = True  # data-parallel strategies overwrite replicas' float buffers with rank 0's
     accepts_self_reducing: ClassVar[bool] = False  # runs optimizers that average across ranks themselves
+    data_axis: ClassVar[str] = "dp_replicate"  # the layout axis its ranks form: replicas, or "dp_shard" (shards)
+    splits_backward: ClassVar[bool] = True  # a backward may leave its weight gradients to a later pass (zero bubble)
 
     def __init__(self) -> None:
         self.env = Environment()

@@ -177,6 +177,15 @@ def test_pipeline_with_tied_weights_and_replicas_keeps_collectives_on_the_device
     assert world.p2p_order_problems() == []
 
 
+def test_a_weight_tied_across_stages_with_zero_replicas_is_refused_naming_the_fix():
+    """ZeRO keeps a param group's gradients in one partition, so the gradient of a weight tied across stages cannot be
+    held apart to be summed with its other stage's: the pipeline's setup says so and names ddp and fsdp."""
+    world = SimWorld(4)
+    options = {"stages": 2, "microbatches": 4, "data_parallel": "zero2"}
+    with pytest.raises(ValueError, match="zero2 keeps every gradient of a param group in one partition.*ddp or fsdp"):
+        world.run(lambda r: train(world, r, "pipeline", options, gpt, "32", 1, None, "norm"))
+
+
 PARALLEL_LAYOUTS = [(2, {"tp": 2}), (2, {"tp": 2, "sequence_parallel": False}), (4, {"tp": 2, "dp_shard": 2}),
                     (4, {"dp_replicate": 2, "dp_shard": 2}), (4, {"tp": 2, "dp_replicate": 2, "dp_shard": 1}),
                     (4, {"pp": 2, "tp": 2}), (8, {"pp": 2, "tp": 2, "dp_shard": 2}), (2, {"cp": 2}),

@@ -1,5 +1,6 @@
-"""The library's shape, held: no file above 480 lines (one idea each), and no import cycle between its modules at run
-time (imports under ``if TYPE_CHECKING:`` are for annotations only and do not count)."""
+"""The library's shape, held: no file above 480 lines (one idea each), no import cycle between its modules at run
+time (imports under ``if TYPE_CHECKING:`` are for annotations only and do not count), and no code that branches on a
+strategy's name (a strategy says what it is: ``data_axis``, ``splits_backward``, capabilities)."""
 
 from __future__ import annotations
 
@@ -68,6 +69,21 @@ def import_cycles(root: Path) -> list[list[str]]:
     return cycles
 
 
+def name_branches(root: Path, names: set[str]) -> list[str]:
+    """Comparisons in the library with one of ``names`` (a string, or one in a literal tuple, list or set)."""
+    found = []
+    for path in _modules(root).values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            literals = [e for side in sides for e in (side.elts if isinstance(side, ast.Tuple | ast.List | ast.Set)
+                                                      else [side])]
+            if any(isinstance(e, ast.Constant) and e.value in names for e in literals):
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
 def test_no_library_file_exceeds_the_limit():
     long = long_files(ROOT)
     assert not long, f"split these by responsibility (at most {LIMIT} lines): {long}"
@@ -76,6 +92,13 @@ def test_no_library_file_exceeds_the_limit():
 def test_the_import_graph_has_no_cycle():
     cycles = import_cycles(ROOT)
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_code_branches_on_a_strategy_name():
+    from trainkit_strategies import available
+
+    branches = name_branches(ROOT, set(available()))
+    assert not branches, branches
 
 
 def test_the_checks_see_a_cycle_and_a_long_file(tmp_path):
@@ -89,5 +112,7 @@ def test_the_checks_see_a_cycle_and_a_long_file(tmp_path):
     (package / "b.py").write_text("def f():\n    from trainkit.a import x\n" + "\n" * LIMIT)
     (package / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from trainkit import d\n")
     (package / "d.py").write_text("from trainkit import c\n")
+    (package / "e.py").write_text("def f(s):\n    return s.name == 'ddp' or s.kind in ('zero2', 'other')\n")
     assert import_cycles(tmp_path) == [["trainkit.a", "trainkit.b", "trainkit.a"]]
     assert long_files(tmp_path) == {"trainkit/b.py": LIMIT + 2}
+    assert len(name_branches(tmp_path, {"ddp", "zero2"})) == 2

@@ -23,7 +23,7 @@ each group's shard (by bucket) on the device.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -63,6 +63,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
     """
 
     gradient_layout: ClassVar[type[GradientLayout]] = WholeGradients
+    data_axis = "dp_shard"
     offloaded_layout: ClassVar[type[GradientLayout] | None] = None  # the layout under ``offload``, if it differs
 
     def __init__(self, bucket_mb: float = 25.0, offload: bool = False, ratio: float = 1.0,
@@ -195,6 +196,11 @@ class ZeroStrategy(DeferredGradScale, Strategy):
 
     def gradients(self) -> list[Tensor]:
         return self.grads.tensors()
+
+    def keep_apart(self, params: Collection[Tensor]) -> None:
+        raise ValueError(f"{self.name} keeps every gradient of a param group in one partition, so it cannot hold some "
+                         "parameters' gradients apart (to sum a weight shared across pipeline stages with its other "
+                         "uses, say): use ddp or fsdp for this composition.")
 
     # -- step ----------------------------------------------------------------------------------------
     def optimizer_step(self) -> None:

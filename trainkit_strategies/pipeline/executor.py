@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import inspect
 import time
 from collections.abc import Collection
 from typing import Any
@@ -57,7 +58,7 @@ from trainkit_strategies.pipeline.schedules import SCHEDULES, rank_and_chunk, sc
 from trainkit_strategies.pipeline.split_backward import WeightGradients, input_gradient
 from trainkit_strategies.pipeline.stages import Chunks, cut, owners
 from trainkit_strategies.precision import Precision
-from trainkit_strategies.registry import get_strategy
+from trainkit_strategies.registry import get_strategy, strategy_class
 from trainkit_strategies.wrapper import Wrapper
 
 DATA_PARALLEL = ("ddp", "zero1", "zero2", "fsdp")
@@ -100,11 +101,11 @@ class PipelineStrategy(Wrapper, RunsSchedule):
         if data_parallel not in DATA_PARALLEL:
             raise ValueError(f"pipeline data_parallel must be one of {', '.join(DATA_PARALLEL)}; "
                              f"got {data_parallel!r}.")
-        if schedule == "zero_bubble" and data_parallel == "fsdp":
-            raise ValueError("pipeline schedule 'zero_bubble' computes weight gradients in a second autograd pass, "
-                             "after fsdp has freed the gathered parameters and reduced the first; use "
-                             "data_parallel 'ddp', 'zero1' or 'zero2' with it, or schedule '1f1b' or "
-                             "'interleaved_1f1b' with fsdp.")
+        if schedule == "zero_bubble" and not strategy_class(data_parallel).splits_backward:
+            raise ValueError(f"pipeline schedule 'zero_bubble' computes weight gradients in a second autograd pass, "
+                             f"after {data_parallel} has freed the gathered parameters and reduced the first; use "
+                             f"data_parallel 'ddp', 'zero1' or 'zero2' with it, or schedule '1f1b' or "
+                             f"'interleaved_1f1b' with {data_parallel}.")
         self.stages, self.microbatches, self.schedule = stages, microbatches, schedule
         self.virtual_stages = virtual_stages
         self.split, self.data_parallel, self.bucket_mb = split, data_parallel, bucket_mb
@@ -148,9 +149,7 @@ class PipelineStrategy(Wrapper, RunsSchedule):
 
     def _layout(self, world_size: int) -> Layout:
         """Stages x replicas, stages outermost: ddp replicates a stage, the ZeRO stages and fsdp shard it."""
-        replicas = world_size // self.stages
-        return Layout(pp=self.stages, dp_replicate=replicas) if self.data_parallel == "ddp" else \
-            Layout(pp=self.stages, dp_shard=replicas)
+        return Layout(pp=self.stages, **{strategy_class(self.data_parallel).data_axis: world_size // self.stages})
 
     def _mesh_axes(self) -> list[tuple[str, ...]]:
         return [("pp",), STAGE_AXES]
@@ -159,9 +158,9 @@ class PipelineStrategy(Wrapper, RunsSchedule):
         """The strategy a stage's ranks run its chunks with (``data_parallel`` among its replicas)."""
         if self.replicas == 1:
             return get_strategy("single")
-        options = {"prefetch": self.virtual_stages == 1} if self.data_parallel == "fsdp" else \
-            {"bucket_mb": self.bucket_mb}  # fsdp: chunks run in turn, no one unit order
-        return get_strategy(self.data_parallel, **options)
+        accepted = inspect.signature(strategy_class(self.data_parallel)).parameters
+        options = {"bucket_mb": self.bucket_mb, "prefetch": self.virtual_stages == 1}  # chunks in turn: no one order
+        return get_strategy(self.data_parallel, **{k: v for k, v in options.items() if k in accepted})
 
     @property
     def last(self) -> bool:
@@ -197,10 +196,6 @@ class PipelineStrategy(Wrapper, RunsSchedule):
             groups = [self.comm.subgroup([line[s] for s in holders]) for line in self._lines]
             if self.stage in holders:
                 self._tied.append((q, groups[self._line], self.stage == holders[0]))
-        if self._tied and self.replicas > 1 and self.data_parallel in ("zero1", "zero2"):
-            raise ValueError(f"pipeline: parameters shared across stages (e.g. a tied embedding and LM head) need "
-                             f"data_parallel 'ddp' or 'fsdp'; {self.data_parallel} keeps their gradients in one "
-                             "partition with the others', so they cannot be summed across stages.")
         with torch.no_grad():
             for q in names:
                 if q not in rank_of or self.stage not in rank_of[q]:

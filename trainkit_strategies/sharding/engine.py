@@ -67,6 +67,9 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
             every step, as ddp does.
     """
 
+    data_axis = "dp_shard"
+    splits_backward = False  # a unit's gathered parameters are freed and its gradients reduced after its backward
+
     def __init__(self, reshard_after_forward: bool = True, prefetch: bool = True, offload: bool = False,
                  ratio: float = 1.0, reduce_dtype: str | None = None, broadcast_buffers: bool = True) -> None:
         super().__init__()
