@@ -149,13 +149,13 @@ class HostAdam:
         group = self.optimizer.param_groups[flat.group]
         op = torch._fused_adamw_ if _decoupled(self.optimizer, group) else torch._fused_adam_
         beta1, beta2 = (float(b) for b in group["betas"])
-        unscale = None if self.mult == 1.0 else torch.tensor([1.0 / self.mult], dtype=torch.float32)
-        step = torch.tensor(flat.count, dtype=torch.float32)
+        unscale = None if self.mult == 1.0 else torch.tensor([1.0 / self.mult], dtype=torch.float32, device="cpu")
+        step = torch.tensor(flat.count, dtype=torch.float32, device="cpu")
         options = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, weight_decay=float(group["weight_decay"]),
                        eps=float(group["eps"]), amsgrad=bool(group.get("amsgrad", False)),
                        maximize=bool(group.get("maximize", False)), grad_scale=unscale)
         if self._scratch is None:
-            self._scratch = torch.empty(SLICE, dtype=torch.float32)
+            self._scratch = torch.empty(SLICE, dtype=torch.float32, device="cpu")
         maxes = moments.get("max_exp_avg_sq")
         for lo in range(0, master.numel(), SLICE):
             hi = min(master.numel(), lo + SLICE)

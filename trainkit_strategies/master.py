@@ -103,6 +103,7 @@ class MasterShards:
         low_dtype: the compute dtype. Where host memory is separate, the step writes each updated host piece in it over
             its gradient, and a bucket's piece crosses back in one bulk copy; only when the gradient is of another
             dtype does a host piece get a page-locked buffer of its own for that.
+        threads: cores a host step uses (default: torch's intra-op threads).
 
     Master pieces and the optimizer's state never cross the bus, so they are ordinary host memory; only what crosses
     is page-locked, each buffer at its exact size (``hostcopy.host_buffer``).
@@ -110,7 +111,7 @@ class MasterShards:
 
     def __init__(self, buckets: Sequence[FlatBucket], groups: int, dtype: torch.dtype, env: Environment,
                  offload: bool = False, ratio: float = 1.0, grad_dtype: torch.dtype | None = None,
-                 low_dtype: torch.dtype | None = None, host_grads: bool = False) -> None:
+                 low_dtype: torch.dtype | None = None, host_grads: bool = False, threads: int | None = None) -> None:
         self.buckets, self.offload, self.env, self.device, self.dtype = list(buckets), offload, env, env.device, dtype
         self.pieces: dict[int, Tensor] = {}
         self.on_host: set[int] = set()
@@ -123,7 +124,7 @@ class MasterShards:
         self._staged: set[int] = set()  # buckets whose updated piece waits in ``host_low`` for ``write_low``
         self._defer = False  # steps write ``host_low`` and leave the working copies alone (``add_low_buffers``)
         self.adam: HostAdam | None = None
-        self.threads = torch.get_num_threads()  # cores a host step uses
+        self.threads = threads or torch.get_num_threads()  # cores a host step uses
         self._uploads = CopyStream(env.device) if offload and env.host_is_separate else None
         self._run: dict[int, list[tuple[FlatBucket, Tensor, Tensor | None, Tensor | None]]] = {}  # per flat, pending
         staged = offload and env.host_is_separate
@@ -233,6 +234,11 @@ class MasterShards:
         assert self.adam is not None
         self.adam.begin(mult, threads or self.threads)
         self._run = {}
+
+    def widen(self) -> None:
+        """The runs still to come in this host step use ``threads`` cores (a step begun during backward left one)."""
+        if self.adam is not None:
+            self.adam.threads = self.threads
 
     def host_ready(self, bucket: FlatBucket, grad: Tensor, target: Tensor | None) -> None:
         """``bucket``'s gradient is in host memory (``grad``); its updated piece belongs in ``target``. It steps

@@ -182,7 +182,7 @@ def test_a_weight_tied_across_stages_with_zero_replicas_is_refused_naming_the_fi
     held apart to be summed with its other stage's: the pipeline's setup says so and names ddp and fsdp."""
     world = SimWorld(4)
     options = {"stages": 2, "microbatches": 4, "data_parallel": "zero2"}
-    with pytest.raises(ValueError, match="zero2 keeps every gradient of a param group in one partition.*ddp or fsdp"):
+    with pytest.raises(ValueError, match=r"zero2 keeps every gradient of a param group in one partition.*ddp or fsdp"):
         world.run(lambda r: train(world, r, "pipeline", options, gpt, "32", 1, None, "norm"))
 
 

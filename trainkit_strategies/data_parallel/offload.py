@@ -81,7 +81,6 @@ class ZeroOffloadStrategy(StepsInBackward, Zero2Strategy):
         self._settle_step()
         super().setup(module, optimizer, precision)
         if optimizer is not None and self.delayed_update:
-            self._master.threads = max(1, torch.get_num_threads() - 1)  # beside the next step's forward and backward
             self._master.add_low_buffers(precision.working_dtype)  # the step must not write the params in use
             self._spare = [host_buffer(b.numel(), b.dtype, self.env, pinned=True) for b in self.grads.buffers]
             self._worker = self._worker or ThreadPoolExecutor(1, thread_name_prefix="trainkit-offload-step")
@@ -94,7 +93,7 @@ class ZeroOffloadStrategy(StepsInBackward, Zero2Strategy):
             return False
         grads = self.grads
         if isinstance(scale, Tensor) and scale.device.type == "cuda":  # read on the host once the device has it
-            scale = torch.empty((), dtype=scale.dtype, pin_memory=True).copy_(scale, non_blocking=True)
+            scale = torch.empty((), dtype=scale.dtype, device="cpu", pin_memory=True).copy_(scale, non_blocking=True)
             ready = mark(self.device)
         else:
             ready = None
@@ -102,6 +101,9 @@ class ZeroOffloadStrategy(StepsInBackward, Zero2Strategy):
         self._overlapping = grads.submit(self._begin_host_step, scale, ready, threads)
         self.steps_in_backward += 1
         return True
+
+    def _host_threads(self) -> int | None:
+        return max(1, torch.get_num_threads() - 1) if self.delayed_update else None  # beside the next forward
 
     def _begin_host_step(self, scale: float | Tensor, ready: Any, threads: int) -> None:
         CopyStream.synchronize(ready)
@@ -120,8 +122,8 @@ class ZeroOffloadStrategy(StepsInBackward, Zero2Strategy):
         self._master.host_ready(bucket, self.grads.piece(bucket), self._working_piece(bucket))
 
     def reduce_gradients(self, scale: float | Tensor) -> None:
-        if self._overlapping is not None and self._master.adam is not None:
-            self._master.adam.threads = self._master.threads  # backward is over: the runs left take every core
+        if self._overlapping is not None:
+            self._master.widen()  # backward is over: the runs left take every core
         super().reduce_gradients(scale)
         if self._overlapping is not None:  # every bucket has landed: step what waits for a longer run
             self._overlapping = self.grads.submit(self._master.finish_host_step)  # type: ignore[attr-defined]

@@ -128,7 +128,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         self.grads = self._layout()
         self._master = MasterShards(self.buckets, len(optimizer.param_groups), master, self.env, self.offload,
                                     self.ratio, grad_dtype=self.grad_dtype, low_dtype=working,
-                                    host_grads=not self._grads_on_device())
+                                    host_grads=not self._grads_on_device(), threads=self._host_threads())
         self.groups = [self._build_group([b for b in self.buckets if b.group == g])
                         for g in range(len(optimizer.param_groups))]
         bucketed = set(group_of)
@@ -142,6 +142,10 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._bucket_of]
         self._signs = (SignReduceScatter(optimizer.error_feedback, getattr(optimizer, "workspace", None))
                        if isinstance(optimizer, SelfReducing) else None)
+
+    def _host_threads(self) -> int | None:
+        """Cores an offloaded host step uses (None: torch's intra-op threads)."""
+        return None
 
     def _grads_on_device(self) -> bool:
         """Whether reduced gradients reach the step on the device (every layout but ZeRO-Offload's host partition)."""
