@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from trainkit_strategies.liveness import Heartbeat
+from trainkit_strategies.liveness import Heartbeat, Waiter
 
 if TYPE_CHECKING:
     from trainkit_strategies.environment import Environment
@@ -49,7 +49,8 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 _heartbeat: Heartbeat | None = None  # this process's, started with the default process group (liveness.py)
-_SLICE = timedelta(seconds=1)  # gloo waits in slices of this, so a peer the heartbeat declared dead fails them
+_SLICE_S = 1.0  # a gloo wait checks the heartbeat this often, so a peer it declared dead fails the wait at once
+_waiter = Waiter()
 
 
 def peer_failure() -> str | None:
@@ -156,8 +157,7 @@ class Handle:
         while self._work is not None:
             work, self._work = self._work, None
             assert self._comm is not None
-            for w in work if isinstance(work, list) else [work]:
-                self._comm._wait(w)
+            self._comm._wait(work)
             if self._rounds is not None:
                 self._work = self._comm._guard(next, self._rounds, None)
 
@@ -264,22 +264,22 @@ class Comm:
             self.stats.wait_s += time.perf_counter() - start
 
     def _wait(self, work: Any) -> None:
-        """Wait for ``work``. On gloo in one-second slices: a frozen peer keeps its connection open, so gloo alone
-        would wait ``timeout_s``; between slices a verdict of the heartbeat fails the wait at once. (NCCL's wait
-        does not block the host; the heartbeat aborts its communicators instead.)"""
+        """Wait for ``work`` (one work, or a list). On gloo with a heartbeat the works are waited for whole on
+        ``liveness.Waiter``'s thread (a gloo wait that times out closes its connection) while this thread checks the
+        heartbeat every second, so a peer it declared dead fails the wait at once. (NCCL's wait does not block the
+        host; the heartbeat aborts its communicators instead.)"""
+        works = work if isinstance(work, list) else [work]
         if not self.ring or _heartbeat is None:
-            self._guard(work.wait)
+            for w in works:
+                self._guard(w.wait)
             return
         start = time.perf_counter()
+        heartbeat = _heartbeat
         try:
-            while True:
-                try:
-                    work.wait(timeout=_SLICE)
-                    return
-                except RuntimeError as err:
-                    if _heartbeat.failure is not None or time.perf_counter() - start > self.timeout_s or \
-                            "timed out" not in str(err).lower():
-                        raise self._failed(err) from err
+            _waiter.wait(works, _SLICE_S, lambda: heartbeat.failure is not None
+                         or time.perf_counter() - start > self.timeout_s)
+        except (RuntimeError, dist.DistError, TimeoutError) as err:
+            raise self._failed(err) from err
         finally:
             self.stats.wait_s += time.perf_counter() - start
 

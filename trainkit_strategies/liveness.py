@@ -15,6 +15,7 @@ and writes one per second, whatever the world size.
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -102,3 +103,42 @@ class Heartbeat:
         self._thread.join(timeout=2 * self.interval_s + 5)
         with contextlib.suppress(Exception):
             self.store.set(f"beat/{self.rank}", "done")
+
+
+class Waiter:
+    """Waits for gloo's works whole, on a thread of its own, while the caller watches the heartbeat.
+
+    A wait on one of gloo's point-to-point works that times out closes the connection to the peer ("Application
+    timeout caused pair closure"), so a wait cut into slices to look at the heartbeat between them fails the run
+    whenever a peer is a slice late: a pipeline stage compiling its blocks, a rank writing a checkpoint. Here the
+    works are waited for in full on a daemon thread, and the caller waits on an event in slices instead: a verdict
+    fails its wait at once, and a slow peer fails nothing. One thread serves the process, waits in order.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        while True:
+            works, done, errors = self._queue.get()
+            try:
+                for work in works:
+                    work.wait()
+            except BaseException as err:  # handed to the caller, which raises it
+                errors.append(err)
+            done.set()
+
+    def wait(self, works: list[Any], slice_s: float, give_up: Callable[[], bool]) -> None:
+        """Return once every one of ``works`` finished; raise what a wait raised, or ``TimeoutError`` when
+        ``give_up()`` (checked every ``slice_s``) says to stop waiting."""
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="trainkit-gloo-waiter", daemon=True)
+            self._thread.start()
+        done, errors = threading.Event(), []
+        self._queue.put((works, done, errors))
+        while not done.wait(slice_s):
+            if give_up():
+                raise TimeoutError("gave up waiting for a peer")
+        if errors:
+            raise errors[0]

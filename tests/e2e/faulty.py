@@ -13,7 +13,8 @@ from trainkit.demo.gpt import DemoGPT
 class DiesAtStep(DemoGPT):
     """Rank ``rank`` kills itself (SIGKILL), raises, hangs, freezes (SIGSTOP: alive to the operating system and its
     connections open, but silent, as a peer dead inside NCCL kernels looks to the others), or receives SIGTERM
-    (``term``: once per working directory, so the same command run again continues) when training reaches ``step``."""
+    (``term``: once per working directory, so the same command run again continues) or sleeps 3 s and goes on (``late``:
+    a slow peer, which is no failure) when training reaches ``step``."""
 
     def __init__(self, rank: int = 1, step: int = 15, how: str = "kill", **kwargs) -> None:
         super().__init__(**kwargs)
@@ -33,6 +34,8 @@ class DiesAtStep(DemoGPT):
                 if not marker.exists():
                     marker.touch()
                     os.kill(os.getpid(), signal.SIGTERM)
+            elif how == "late":
+                time.sleep(3)
             else:
                 time.sleep(3600)
         return super().training_step(batch, batch_idx)

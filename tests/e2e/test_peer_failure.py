@@ -56,6 +56,16 @@ def test_failed_peer_stops_the_run_with_a_clear_error(tmp_path, how, timeout_s, 
     assert (tmp_path / "checkpoints" / "latest").read_text() == "epoch=1-step=20"
 
 
+def test_a_peer_seconds_late_is_no_failure(tmp_path):
+    """gloo closes a connection whose wait timed out: the heartbeat's one-second checks must not cut the survivors'
+    waits (zero2's reduce-scatter, a ring of point-to-point rounds on gloo, waits 3 s for rank 1 here)."""
+    proc, _ = run(tmp_path, "--model", "tests.e2e.faulty.DiesAtStep", "--model.how", "late", "--model.step", "15",
+                  "--trainer.strategy", "zero2",
+                  "--trainer.timeout_s", "60", "--trainer.peer_timeout_s", "5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "epoch=1-step=20"
+
+
 DIES_BEFORE_JOINING = '''
 import os
 import trainkit as tk
