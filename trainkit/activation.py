@@ -126,10 +126,10 @@ def apply_activation_checkpointing(module: nn.Module, policy: Policy, mode: str 
         if not is_root and selects(mod):
             if matched % every == 0:
                 if not getattr(mod, "_trainkit_checkpointed", False):
-                    original = mod.forward
-                    mod.forward = functools.wraps(original)(
-                        lambda *args, _f=original, **kwargs: checkpoint(_f, *args, use_reentrant=False, **extra,
-                                                                        **kwargs))
+                    mod._trainkit_recomputed = mod.forward  # what the checkpoint runs (compile_blocks compiles it)
+                    mod.forward = functools.wraps(mod.forward)(
+                        lambda *args, _m=mod, **kwargs: checkpoint(_m._trainkit_recomputed, *args, use_reentrant=False,
+                                                                   **extra, **kwargs))
                     mod._trainkit_checkpointed = mode
                 wrapped += 1
             matched += 1

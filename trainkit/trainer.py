@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Literal
 
@@ -14,8 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from trainkit import checkpoint as ckpt
-from trainkit import launcher, resume
-from trainkit.activation import apply_activation_checkpointing, resolve_mode
+from trainkit import launcher, resume, transforms
+from trainkit.activation import resolve_mode
 from trainkit.async_checkpoint import AsyncSaver
 from trainkit.auto import plan_auto
 from trainkit.callbacks.base import Callback
@@ -37,8 +36,8 @@ from trainkit.results import Results
 from trainkit.seed import rng_state, seed_everything
 from trainkit.signals import Preempted, StepSignals
 from trainkit.step import OptimizerStep, StepConfig
-from trainkit.utils import model_summary, tensor_cores_idle
-from trainkit_strategies import DynamicLossScaler, Precision, ShardedInit, Strategy
+from trainkit.utils import model_summary, print_results, tensor_cores_idle
+from trainkit_strategies import DynamicLossScaler, Precision, Strategy
 from trainkit_strategies.registry import get_strategy
 
 
@@ -72,6 +71,9 @@ class Trainer(TrainerProperties):
             attention outputs and recomputing the cheap rest: norms, activation functions, softmax), or module
             classes (or a ``module -> bool`` policy) recomputed in full.
         activation_checkpointing_every: checkpoint one selected module in this many (1: all of them).
+        compile: ``torch.compile`` each of the model's repeated blocks on its own (the whole forward where it has
+            none), after tensor parallelism and activation checkpointing and before the strategy's engine
+            (``transforms.py``), so it composes with every strategy.
         deterministic: use deterministic algorithms only.
         seed: seed python, numpy and torch at the start of each run (also the sampler seed).
         callbacks: extra callbacks.
@@ -122,6 +124,7 @@ class Trainer(TrainerProperties):
         activation_checkpointing: Literal["full", "selective"] | list[type[nn.Module]] | Callable[[nn.Module], bool]
         | None = None,
         activation_checkpointing_every: int = 1,
+        compile: bool = False,
         deterministic: bool = False,
         seed: int | None = None,
         callbacks: list[Callback] | None = None,
@@ -196,6 +199,9 @@ class Trainer(TrainerProperties):
         if not isinstance(activation_checkpointing_every, int) or activation_checkpointing_every < 1:
             raise ValueError(f"activation_checkpointing_every={activation_checkpointing_every!r} must be a positive "
                              "integer (1: every selected module).")
+        if not isinstance(compile, bool):
+            raise TypeError(f"compile must be True or False; got {compile!r}.")
+        self.compile = compile
         self.enable_model_summary = enable_model_summary and not self.fast_dev_run
         self.use_distributed_sampler = use_distributed_sampler
         self.deterministic, self.seed = deterministic, seed
@@ -384,7 +390,7 @@ class Trainer(TrainerProperties):
             limit = self.limit_val_batches if fn == "validate" else self.limit_test_batches
             metrics = self.evaluation.run(module, fn, self.data.val_dataloaders, limit)
             if verbose:
-                self._print_results(fn, metrics)
+                print_results(fn, metrics, self.is_global_zero)
             return [metrics]
         except BaseException as exc:
             for cb in self.callbacks:
@@ -419,12 +425,8 @@ class Trainer(TrainerProperties):
         if self.strategy.module is module and not needs_optimizer:
             return
         if self.strategy.module is not module:
-            init = self.strategy.init_context() if isinstance(self.strategy, ShardedInit) else nullcontext()
-            with init:
-                module.configure_model()
-            if self.activation_checkpointing:
-                apply_activation_checkpointing(module, self.activation_checkpointing,
-                                               every=self.activation_checkpointing_every)
+            transforms.build(module, self.strategy, self.activation_checkpointing, self.activation_checkpointing_every,
+                             self.compile)
         optimizer = None
         if fn == "fit":
             if self.enable_model_summary and self.is_global_zero:
@@ -470,10 +472,3 @@ class Trainer(TrainerProperties):
         }
         for lg in self.loggers:
             lg.log_hyperparams(params)
-
-    def _print_results(self, fn: str, metrics: dict[str, float]) -> None:
-        if not self.is_global_zero or not metrics:
-            return
-        width = max(len(k) for k in metrics)
-        lines = [f"{fn} results"] + [f"  {k:<{width}}  {v:.6g}" for k, v in sorted(metrics.items())]
-        print("\n".join(lines))

@@ -65,3 +65,12 @@ def tensor_cores_idle(device: torch.device) -> bool:
     (compute capability 8.0 and up) with the fp32 matmul precision at "highest"."""
     return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
             and torch.get_float32_matmul_precision() == "highest")
+
+
+def print_results(fn: str, metrics: dict[str, float], on_this_rank: bool = True) -> None:
+    """``validate``/``test`` results as a table of metrics (``on_this_rank``: rank 0 prints)."""
+    if not on_this_rank or not metrics:
+        return
+    width = max(len(k) for k in metrics)
+    lines = [f"{fn} results"] + [f"  {k:<{width}}  {v:.6g}" for k, v in sorted(metrics.items())]
+    print("\n".join(lines))

@@ -71,6 +71,16 @@ class StepsInBackward(ABC):
         are then called as usual and finish it (the gradients are spent by then)."""
 
 
+class Parallelizes(ABC):
+    """The strategy rewrites the model's layers for an axis of its layout (tensor parallelism) before any engine
+    sees it: the first of the module transforms (then activation checkpointing, then compilation, then the
+    data-parallel engine in ``setup``; torchtitan's ``parallelize_llama`` order)."""
+
+    @abstractmethod
+    def parallelize(self, module: nn.Module) -> None:
+        """Transform ``module`` in place (parameter names unchanged)."""
+
+
 class ShardedInit(ABC):
     """The strategy can build the model on the meta device and materialise only this rank's shards."""
 

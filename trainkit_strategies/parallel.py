@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
 from trainkit_strategies.base import Strategy
-from trainkit_strategies.capabilities import check_optimizer
+from trainkit_strategies.capabilities import Parallelizes, check_optimizer
 from trainkit_strategies.comm import Comm
 from trainkit_strategies.context.ring import METHODS, ContextParallel, context_parallel, shard_sequence
 from trainkit_strategies.environment import Environment
@@ -49,7 +49,7 @@ from trainkit_strategies.wrapper import Wrapper
 AXES_USED = [("tp",), ("dp_shard", "cp"), ("dp_replicate",), ("dp_replicate", "dp_shard", "cp")]
 
 
-class ParallelStrategy(Wrapper):
+class ParallelStrategy(Wrapper, Parallelizes):
     """Several parallelisms at once. From the command line: ``--trainer.strategy parallel --trainer.strategy.tp 2
     --trainer.strategy.dp_shard 2``.
 
@@ -101,12 +101,13 @@ class ParallelStrategy(Wrapper):
         self.reshard_after_forward, self.prefetch, self.reduce_dtype = reshard_after_forward, prefetch, reduce_dtype
         self.bucket_mb, self.tp_across_nodes = bucket_mb, tp_across_nodes
         self.mesh: Mesh | None = None  # set by a composing pipeline before setup_environment (its stages' groups)
-        self.named_by: nn.Module | None = None  # the module the plan names, when setup gets a part of it (a stage)
         self.inner: Strategy = get_strategy("single")
         self.applied = Applied()
         self._replicated: list[Tensor] = []
         self._strided: dict[str, st.Strided] = {}
         self._whole_shapes: dict[str, tuple[int, ...]] = {}
+        self._whole_shape: dict[Tensor, tuple[int, ...]] = {}  # by parameter, as parallelize found them
+        self._parallelized = False
 
     # -- layout --------------------------------------------------------------------------------------
     def layout_for(self, world_size: int, ranks_per_node: int = 0) -> Layout:
@@ -179,32 +180,47 @@ class ParallelStrategy(Wrapper):
     def counts_items(self) -> bool:
         return self.tp_rank == 0  # the tensor-parallel ranks of a data-parallel coordinate see the same samples
 
-    # -- setup ---------------------------------------------------------------------------------------
-    def setup(self, module: nn.Module, optimizer: Optimizer | None, precision: Precision) -> None:
-        check_optimizer(self, optimizer)
-        self.module, self.optimizer, self.precision = module, optimizer, precision
-        names = st.param_names(module)
-        if optimizer is not None:
-            self._group_names = st.group_names_of(optimizer, names)
-        self._whole_shapes = {n: tuple(p.shape) for p, n in names.items()}
+    # -- transforms and setup ------------------------------------------------------------------------
+    def parallelize(self, module: nn.Module) -> None:
+        """Tensor parallelism, applied to the whole model before any engine sees it: every layer its
+        ``tensor_parallel_plan()`` names cut to this rank's part (a pipeline cuts the stages afterwards, and the
+        engine shards what this leaves). Every tensor-parallel rank starts from tensor-parallel rank 0's values."""
+        self._whole_shape = {p: tuple(p.shape) for p in module.parameters()}
         if self.tp > 1:
-            owner = self.named_by if self.named_by is not None else module
-            plan = getattr(owner, "tensor_parallel_plan", None)
+            plan = getattr(module, "tensor_parallel_plan", None)
             if not callable(plan):
                 raise TypeError(
-                    f"Strategy 'parallel' with tp={self.tp} needs {type(owner).__name__} to define "
+                    f"Strategy 'parallel' with tp={self.tp} needs {type(module).__name__} to define "
                     "tensor_parallel_plan() -> {submodule pattern: style} (which layers are split, and how); see "
                     "docs/parallel.md, or run with tp=1."
                 )
             self._same_start(module)
-            self.applied = apply_plan(owner, plan(), self.tp_comm, self.sequence_parallel, within=module)
+            self.applied = apply_plan(module, plan(), self.tp_comm, self.sequence_parallel)
+        self._sync_metrics_over_data(module)
+        self._parallelized = True
+
+    def setup(self, module: nn.Module, optimizer: Optimizer | None, precision: Precision) -> None:
+        """The engine on ``module`` (the model ``parallelize`` transformed, or a pipeline stage of it; a module no
+        one parallelized is parallelized first)."""
+        check_optimizer(self, optimizer)
+        if not self._parallelized:
+            self.parallelize(module)
+        self.module, self.optimizer, self.precision = module, optimizer, precision
+        names = st.param_names(module)
+        if optimizer is not None:
+            self._group_names = st.group_names_of(optimizer, names)
+        self._whole_shapes = {n: self._whole_shape.get(p, tuple(p.shape)) for p, n in names.items()}
         self._strided = {names[p]: st.Strided(*split.strides(self._whole_shapes[names[p]], self.tp_rank))
-                         for p, split in self.applied.splits.items()}
+                         for p, split in self.applied.splits.items() if p in names}
         self._replicated = [p for p in module.parameters() if p not in self.applied.splits]
         if self.tp > 1:
             self.inner.keep_apart(self._replicated)  # summed across tp, counted once
         self.inner.setup(module, optimizer, precision)
-        self._sync_metrics_over_data(self.named_by if self.named_by is not None else module)
+        self._parallelized = False  # the next module set up is parallelized anew
+
+    def whole_shape(self, param: Tensor) -> tuple[int, ...]:
+        """``param``'s shape before tensor parallelism cut it."""
+        return self._whole_shape.get(param, tuple(param.shape))
 
     def _sync_metrics_over_data(self, module: nn.Module) -> None:
         """torchmetrics objects on the module sync over the data-parallel ranks only: the tensor-parallel ranks of
@@ -354,7 +370,7 @@ def resolve_layout(world_size: int, ranks_per_node: int, tp_across_nodes: bool, 
     return layout
 
 
-class PipelinedParallel(PipelineStrategy):
+class PipelinedParallel(PipelineStrategy, Parallelizes):
     """What ``ParallelStrategy(pp=...)`` with ``pp`` > 1 builds (same arguments): the pipeline's schedules between
     stages, and in each stage a ``ParallelStrategy`` on the stage's ranks."""
 
@@ -379,6 +395,7 @@ class PipelinedParallel(PipelineStrategy):
                                             tp_across_nodes=tp_across_nodes)
         self.tp, self.dp_shard, self.dp_replicate, self.pp = tp, dp_shard, dp_replicate, pp
         self.sequence_parallel = sequence_parallel and tp > 1
+        self._parallelized = False
 
     def layout_for(self, world_size: int, ranks_per_node: int = 0) -> Layout:
         return resolve_layout(world_size, ranks_per_node, self.options["tp_across_nodes"], pp=self.pp, tp=self.tp,
@@ -390,9 +407,21 @@ class PipelinedParallel(PipelineStrategy):
     def _mesh_axes(self) -> list[tuple[str, ...]]:
         return [*super()._mesh_axes(), *AXES_USED]
 
+    def parallelize(self, module: nn.Module) -> None:
+        """Tensor parallelism on the whole model (the plan names its submodules), before the stages are cut."""
+        assert isinstance(self.inner, ParallelStrategy)
+        self.inner.parallelize(module)
+        self._parallelized = True
+
     def setup(self, module: nn.Module, optimizer: Optimizer | None, precision: Precision) -> None:
-        self.inner.named_by = module  # type: ignore[attr-defined]  # the plan names the module's submodules
+        if not self._parallelized:  # driven by hand: the module is parallelized here
+            self.parallelize(module)
         super().setup(module, optimizer, precision)
+        self._parallelized = False
+
+    def _shape(self, param: Tensor) -> tuple[int, ...]:
+        assert isinstance(self.inner, ParallelStrategy)
+        return self.inner.whole_shape(param)
 
     def unfit_for(self, module: nn.Module, optimizer: Optimizer | None) -> str | None:
         return unplanned(module, self.tp) or super().unfit_for(module, optimizer)

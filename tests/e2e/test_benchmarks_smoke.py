@@ -102,3 +102,12 @@ def test_link_smoke():
                 "trainkit HSDP (shard in node, replicate across)", "trainkit pipeline 1F1B (a stage per node) x 2"):
         assert row in proc.stdout, row
     assert "2x2 (4 ranks), loopback" in proc.stdout
+
+
+def test_compile_smoke():
+    """The benchmark runs the compiled demo GPT beside eager and exits non-zero if a longer run compiled more."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = proc.stdout.splitlines()[-2].split()
+    assert row[-2:] == ["1,", "1"], proc.stdout  # one graph, at both lengths

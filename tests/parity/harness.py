@@ -80,6 +80,7 @@ class Case:
     init_scale: float | None = None  # "16-mixed": start the loss scale here (low enough that nothing overflows)
     onebit: dict[str, Any] | None = None  # train with trainkit.optim.OneBitAdam(**onebit) instead of AdamW
     samples_per_replica: int | None = None  # the data's size per replica (default: full windows of ``steps``)
+    compile: bool = False  # Trainer(compile=True): the blocks compiled (inductor); the reference stays eager
     probe_grads: bool = True  # read full gradients before every step (False: no hook needs them, and a strategy
     # that can step during backward does: zero_offload's overlapped host step)
 
@@ -107,6 +108,7 @@ class Result:
     peaks: list[dict] = field(default_factory=list)  # pipeline: each rank's activation peak in the last step
     steps_in_backward: int = 0  # optimizer steps the strategy took during backward (zero_offload)
     host_fallback: str = ""  # why the offloaded host step ran torch's kernels instead of the compiled one, if it did
+    graphs: list[int] = field(default_factory=list)  # compile: graphs compiled by the end of step 1, and by the end
 
 
 class Probe(Callback):
@@ -120,6 +122,7 @@ class Probe(Callback):
         self._sum = torch.zeros(2, dtype=torch.float64)
         self._step = 0
         self._bytes: dict[str, int] = {}
+        self.graphs_after_first_step: list[int] = []
 
     def on_train_start(self, trainer, module) -> None:
         self._bytes = dict(trainer.strategy.comm.stats.bytes)
@@ -127,6 +130,8 @@ class Probe(Callback):
             trainer.scaler.scale = self.init_scale
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == 1 and not self.graphs_after_first_step:
+            self.graphs_after_first_step = [compiled_graphs()]
         if self.record_comm:
             now = dict(trainer.strategy.comm.stats.bytes)
             delta = {k: now[k] - self._bytes.get(k, 0) for k in now}
@@ -154,6 +159,14 @@ class LossProbe(Probe):
     stepping during backward."""
 
     on_before_optimizer_step = Callback.on_before_optimizer_step
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process since the last ``torch._dynamo.reset()`` (each recompilation
+    adds one)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def _module_and_data(case: Case, world_size: int) -> tuple[Any, Any]:
@@ -198,6 +211,11 @@ def run_case(case: Case, world_size: int, per_rank_batch: int, accelerator: str)
         module.configure_optimizers = lambda: OneBitAdam(module.parameters(), **case.onebit)
     probe = (Probe if case.probe_grads else LossProbe)(case.record_comm, case.init_scale)
     strategy = get_strategy(case.strategy, **case.options)
+    if case.compile:
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()  # every case compiles afresh (and never meets dynamo's limit of graphs per function)
+        counters.clear()
     tokens = case.model in ("gpt", "gpt6", "llama")
     val_data = (TokenWindows(MarkovChain(16, 0.5, seed=3).sample(13, 17, seed=5)) if tokens
                 else regression_data(13, seed=5))
@@ -206,7 +224,7 @@ def run_case(case: Case, world_size: int, per_rank_batch: int, accelerator: str)
         accelerator=accelerator,
         activation_checkpointing=[Block] if case.checkpointing is True else case.checkpointing or None,
         val_check_interval=5 if case.validate else None,
-        strategy=strategy, precision=case.precision, accumulate_grad_batches=case.accumulate,
+        strategy=strategy, precision=case.precision, accumulate_grad_batches=case.accumulate, compile=case.compile,
         gradient_clip_val=case.clip, gradient_clip_algorithm=case.clip_algorithm, max_steps=case.steps, seed=0,
         logger=False, enable_progress_bar=False, enable_checkpointing=False, num_sanity_val_steps=0, callbacks=[probe],
         timeout_s=120,
@@ -224,13 +242,14 @@ def run_case(case: Case, world_size: int, per_rank_batch: int, accelerator: str)
         metrics["buffer_spread"] = max(float((theirs[n] - b).abs().max()) for theirs in everyone
                                        for n, b in buffers.items())
     peaks = strategy.all_gather_object(getattr(strategy, "activation_peak", {}))
+    graphs = [*probe.graphs_after_first_step, compiled_graphs()] if case.compile else []
     return Result(probe.losses, probe.grads, params, probe.comm, psi, metrics, peaks,
-                  getattr(strategy, "steps_in_backward", 0), native.why_not("host_adam") or "")
+                  getattr(strategy, "steps_in_backward", 0), native.why_not("host_adam") or "", graphs)
 
 
 def run_reference(case: Case, world_size: int) -> Result:
     """The single-process run on the whole global batch, on the device type the ranks ran on."""
-    single = Case(**{**asdict(case), "strategy": "single", "options": {}})
+    single = Case(**{**asdict(case), "strategy": "single", "options": {}, "compile": False})
     replicas = case.replicas(world_size)
     return run_case(single, replicas, case.per_rank_batch * replicas, accelerator_for(world_size))
 
@@ -244,7 +263,8 @@ def _save(result: Result, path: Path) -> None:
                                                      "steps": len(result.grads), "psi": result.psi,
                                                      "val": result.val, "peaks": result.peaks,
                                                      "steps_in_backward": result.steps_in_backward,
-                                                     "host_fallback": result.host_fallback}))
+                                                     "host_fallback": result.host_fallback,
+                                                     "graphs": result.graphs}))
 
 
 def _load(path: Path) -> Result:
@@ -254,7 +274,7 @@ def _load(path: Path) -> Result:
     grads = [{k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith(f"grad{i}/")}
              for i in range(meta["steps"])]
     return Result(meta["losses"], grads, params, meta["comm"], meta["psi"], meta["val"], meta["peaks"],
-                  meta["steps_in_backward"], meta["host_fallback"])
+                  meta["steps_in_backward"], meta["host_fallback"], meta["graphs"])
 
 
 def _worker(rank: int, world_size: int, port: int, cases: list[Case], out: str) -> None:
@@ -265,7 +285,7 @@ def _worker(rank: int, world_size: int, port: int, cases: list[Case], out: str) 
         try:
             result = run_case(case, world_size, case.per_rank_batch, accelerator_for(world_size))
         except Exception:
-            Path(out, f"{case.name}.error").write_text(traceback.format_exc())
+            Path(out, f"{case.name}.rank{rank}.error").write_text(traceback.format_exc())
             raise
         if rank == 0:
             _save(result, Path(out, case.name))
@@ -296,7 +316,8 @@ def run_world(world_size: int, cases: list[Case], timeout_s: float = 600) -> dic
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{world_size} ranks did not finish {len(cases)} cases in {timeout_s} s")
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-            errors = [p.read_text() for p in Path(out).glob("*.error")]
+            # the rank that failed first, not a peer that saw it go
+            errors = sorted((p.read_text() for p in Path(out).glob("*.error")), key=lambda e: "PeerError" in e)
             raise RuntimeError(f"a rank failed:\n{errors[0] if errors else err}") from err
         finally:
             for proc in ctx.processes:

@@ -29,6 +29,7 @@ import contextlib
 import copy
 import dataclasses
 import inspect
+import math
 import time
 from collections.abc import Collection
 from typing import Any
@@ -162,6 +163,10 @@ class PipelineStrategy(Wrapper, RunsSchedule):
         options = {"bucket_mb": self.bucket_mb, "prefetch": self.virtual_stages == 1}  # chunks in turn: no one order
         return get_strategy(self.data_parallel, **{k: v for k, v in options.items() if k in accepted})
 
+    def _shape(self, param: Tensor) -> tuple[int, ...]:
+        """A parameter's whole shape (before any tensor parallelism cut it): checkpoints and stage balance use it."""
+        return tuple(param.shape)
+
     @property
     def last(self) -> bool:
         return self.stage == self.stages - 1
@@ -182,8 +187,9 @@ class PipelineStrategy(Wrapper, RunsSchedule):
         if optimizer is not None:
             self._group_names = st.group_names_of(optimizer, names)
         self._shapes, _ = self._whole_state(skip=set())
+        self._shapes |= {n: self._shape(q) for q, n in names.items()}
         p, v = self.stages, self.virtual_stages
-        counts = cut([sum(q.numel() for q in layer.parameters()) for layer in layers], p, v, self.split)
+        counts = cut([sum(math.prod(self._shape(q)) for q in layer.parameters()) for layer in layers], p, v, self.split)
         self.stage_sizes = counts  # layers per chunk, in model order (per stage when virtual_stages is 1)
         bounds = [sum(counts[:k]) for k in range(p * v + 1)]
         rank_of = owners(layers, bounds, p, names)  # the pipeline ranks holding each parameter

@@ -21,10 +21,10 @@ from trainkit_strategies.comm import Comm
 from trainkit_strategies.memory import partial_products
 from trainkit_strategies.tensor.loss import VocabShard
 from trainkit_strategies.tensor.regions import (
-    SequenceParallelLinear,
     copy_in,
     reduce_out,
     scatter_seq,
+    sequence_parallel_linear,
 )
 
 
@@ -85,7 +85,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.sequence_parallel and self.comm.active:
-            y = SequenceParallelLinear.apply(x, self.weight, self.bias, self.comm)
+            y = sequence_parallel_linear(x, self.weight, self.bias, self.comm)
         else:
             y = F.linear(copy_in(x, self.comm), self.weight, self.bias)
         if self.vocab:

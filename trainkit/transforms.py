@@ -1,0 +1,70 @@
+"""The model's transforms, in one place and one order, before the strategy's engine sees the model.
+
+The order is torchtitan's ``parallelize_llama`` (and picotron's ``train.py``), top to bottom:
+
+1. ``configure_model`` builds the layers (on the meta device under a sharding strategy's ``init_context``);
+2. tensor parallelism (``Parallelizes``: the layers of the module's ``tensor_parallel_plan()`` cut to a rank's part);
+3. activation checkpointing (``activation.py``: the repeated blocks recompute in backward);
+4. compilation (``compile_blocks``: each repeated block compiled on its own, torchtitan's ``apply_compile``);
+5. the strategy's engine (``Strategy.setup``: a pipeline cuts its stages, ddp/ZeRO/FSDP register their hooks).
+
+Compiling before the engine keeps the engine's hooks outside the compiled code: a block's ``forward`` is compiled,
+while the module call around it (where sharding gathers parameters and ddp's gradient hooks fire) stays eager, so
+compilation composes with every strategy. Context parallelism needs no transform: attention asks at run time
+(``trainkit.parallel.attention``) whether a context-parallel group is active.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainkit.activation import apply_activation_checkpointing
+from trainkit_strategies import Parallelizes, ShardedInit, Strategy
+from trainkit_strategies.sharding.units import repeated_layers
+
+
+def build(module: Any, strategy: Strategy, activation_checkpointing: Any = None, every: int = 1,
+          compile: bool = False) -> None:
+    """Steps 1-4 above on a TrainModule: its layers built, then transformed; ``strategy.setup`` is step 5."""
+    with strategy.init_context() if isinstance(strategy, ShardedInit) else nullcontext():
+        module.configure_model()
+    parallelize(module, strategy, activation_checkpointing, every, compile)
+
+
+def parallelize(module: nn.Module, strategy: Strategy, activation_checkpointing: Any = None, every: int = 1,
+                compile: bool = False) -> None:
+    """Steps 2-4: tensor parallelism (where the strategy has an axis for it), activation checkpointing, compilation."""
+    if isinstance(strategy, Parallelizes):
+        strategy.parallelize(module)
+    if activation_checkpointing:
+        apply_activation_checkpointing(module, activation_checkpointing, every=every)
+    if compile:
+        compile_blocks(module)
+
+
+def compile_blocks(module: nn.Module, compiler: Callable[[Callable], Callable] | None = None) -> int:
+    """Compile the ``forward`` of each of ``module``'s repeated blocks (the children of an ``nn.ModuleList`` or
+    ``nn.Sequential`` that share a class) on its own; a module with none has its own ``forward`` compiled.
+
+    One block's code is compiled once and reused by every block of its class (their parameters are the compiled
+    graph's inputs), so a deep model compiles as fast as a shallow one. Blocks already compiled are left as they
+    are. ``compiler``: default ``torch.compile``. Returns how many forwards were compiled.
+    """
+    compiler = compiler or torch.compile
+    targets = repeated_layers(module) or [module]
+    done = 0
+    for block in targets:
+        if getattr(block, "_trainkit_compiled", False):
+            continue
+        if hasattr(block, "_trainkit_recomputed"):  # checkpointed: the code inside the checkpoint is compiled
+            block._trainkit_recomputed = compiler(block._trainkit_recomputed)
+        else:
+            block.forward = compiler(block.forward)
+        block._trainkit_compiled = True
+        done += 1
+    return done
