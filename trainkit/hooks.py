@@ -4,6 +4,7 @@ dispatch lists from the methods a subclass actually defines."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
@@ -20,8 +21,24 @@ HOOK_NAMES = (
     "on_predict_start", "on_predict_end", "on_predict_epoch_start", "on_predict_epoch_end",
     "on_predict_batch_end",
     "on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad",
-    "on_save_checkpoint", "on_load_checkpoint",
+    "on_train_step_end", "on_save_checkpoint", "on_load_checkpoint",
 )
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """What one optimizer step took, for ``on_train_step_end``.
+
+    Attributes:
+        forward_backward_s: seconds in the forward and backward passes of the step's micro-batches (all of its
+            accumulation window; a pipeline's whole schedule).
+        optimizer_s: seconds in the optimizer step: gradient reduction, clipping, the step itself, zeroing.
+        skipped: an fp16 overflow skipped the step (the parameters did not change; ``global_step`` still counts it).
+    """
+
+    forward_backward_s: float
+    optimizer_s: float
+    skipped: bool = False
 
 
 class ModelHooks:
@@ -87,6 +104,10 @@ class ModelHooks:
         """Gradients are reduced, normalised and unscaled; clipping has not happened yet."""
 
     def on_before_zero_grad(self, optimizer: Optimizer) -> None: ...
+
+    def on_train_step_end(self, timing: StepTiming) -> None:
+        """After each optimizer step (once per accumulation window), once ``global_step`` counts it and after the
+        ``on_train_batch_end`` of its last micro-batch: where "a step ended" is decided, with what it took."""
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Add JSON-serialisable entries to ``checkpoint`` (saved in meta.json)."""

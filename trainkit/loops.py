@@ -279,9 +279,9 @@ class FitLoop:
             for hook in batch_end:
                 hook(outputs, batch, batch_idx - 1)
             if stepped:
-                self.boundary()
+                self._step_ended()
         if batch_idx != p.batch_idx and self._finish_step(batch_idx, val_every):  # a window cut short by the data
-            self.boundary()
+            self._step_ended()
         if self.done and batch_idx < limit:
             return
         if c.limit_train_batches is None:
@@ -296,6 +296,10 @@ class FitLoop:
         step.step_scheduler("epoch", p.epoch + 1, self._metrics)  # before the callbacks: epoch-end checkpoints
         self.hooks.callbacks("on_train_epoch_end")  # include it
         self._next_epoch()
+
+    def _step_ended(self) -> None:
+        self.hooks("on_train_step_end", self.step.timing)
+        self.boundary()
 
     def _metrics(self) -> dict[str, float]:
         return self.results.local_values(prog_bar_only=False)

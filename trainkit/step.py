@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from trainkit.dispatch import HookDispatch
+from trainkit.hooks import StepTiming
 from trainkit.optim import OptimizerConfig
 from trainkit.utils import infer_batch_size
 from trainkit_strategies import DynamicLossScaler, RunsSchedule, StepsInBackward, Strategy
@@ -94,7 +95,8 @@ class OptimizerStep:
         self.window = 0  # micro-batches run in the open window
         self.items_norm: float | None = None  # c (see the module docstring); kept in checkpoints
         self.last_loss: Tensor | None = None
-        self.timing = {"forward_backward": 0.0, "optimizer": 0.0}  # seconds in the last closed window
+        self.timing = StepTiming(0.0, 0.0)  # the last closed window's
+        self._forward_backward_s = 0.0  # in the open window
         self._count: Any = 0  # micro-batches (plain losses) or items (num_items) in the window
         self._item_weighted = False
         self._boundary = False  # the micro-batch running is its window's last
@@ -109,13 +111,13 @@ class OptimizerStep:
         """Forward and backward of one micro-batch; ``boundary``: it is the window's last (gradients sync)."""
         start = time.perf_counter()
         if self.window == 0:
-            self.timing["forward_backward"] = 0.0
+            self._forward_backward_s = 0.0
         self._boundary = boundary
         try:
             with nullcontext() if boundary else self.strategy.no_sync():
                 return self._forward_backward(module, batch, batch_idx)
         finally:
-            self.timing["forward_backward"] += time.perf_counter() - start
+            self._forward_backward_s += time.perf_counter() - start
 
     def _training_step(self, module: nn.Module, batch: Any, batch_idx: int) -> Any:
         strategy = self.strategy
@@ -187,10 +189,9 @@ class OptimizerStep:
         if self.window == 0:
             return None
         start = time.perf_counter()
-        try:
-            return self._step()
-        finally:
-            self.timing["optimizer"] = time.perf_counter() - start
+        stepped = self._step()
+        self.timing = StepTiming(self._forward_backward_s, time.perf_counter() - start, skipped=not stepped)
+        return stepped
 
     def _step(self) -> bool:
         strategy = self.strategy

@@ -10,7 +10,7 @@ import torch
 import trainkit as tk
 from tests.helpers import Regression, loader, regression_data
 from trainkit import checkpoint as ckpt
-from trainkit.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint, ThroughputMonitor
+from trainkit.callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint, ThroughputMonitor
 from trainkit.loggers import CSVLogger
 
 
@@ -83,3 +83,34 @@ def test_csv_logger_lr_monitor_and_throughput(tmp_path):
     assert float(lr_rows[-1]["lr-AdamW/pg0"]) < 1e-2  # StepLR(7, 0.7) has decayed by step 8
     assert any(r.get("val_loss") for r in rows) and any(r.get("train_loss") for r in rows)
     assert throughput.last["throughput/samples_per_sec"] > 0
+
+
+class StepEnds(Callback):
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int, Any]] = []  # (global_step, batches seen so far, timing)
+        self.batches = 0
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.batches += 1
+
+    def on_train_step_end(self, trainer, module, timing) -> None:
+        self.seen.append((trainer.global_step, self.batches, timing))
+
+
+def test_step_end_hook_runs_once_per_optimizer_step_with_its_timing(tmp_path):
+    """7 batches with accumulate 2: windows of 2, 2, 2 and a last window of 1 cut short by the data; the hook
+    follows each window's last on_train_batch_end, with global_step counting it, and the module's hook runs too."""
+    class Module(Regression):
+        steps: list[int] = []
+
+        def on_train_step_end(self, timing) -> None:
+            self.steps.append(self.global_step)
+
+    cb, module = StepEnds(), Module()
+    trainer = tk.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                         accumulate_grad_batches=2, default_root_dir=tmp_path, callbacks=[cb])
+    trainer.fit(module, loader(regression_data(28), 4))
+    assert [(s, b) for s, b, _ in cb.seen] == [(1, 2), (2, 4), (3, 6), (4, 7)]
+    assert module.steps == [1, 2, 3, 4]
+    for _, _, timing in cb.seen:
+        assert timing.forward_backward_s > 0 and timing.optimizer_s > 0 and not timing.skipped

@@ -8,6 +8,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 if TYPE_CHECKING:
+    from trainkit.hooks import StepTiming
     from trainkit.module import TrainModule
     from trainkit.trainer import Trainer
 
@@ -92,6 +93,8 @@ class Callback:
     def on_before_optimizer_step(self, trainer: Trainer, module: TrainModule, optimizer: Optimizer) -> None: ...
 
     def on_before_zero_grad(self, trainer: Trainer, module: TrainModule, optimizer: Optimizer) -> None: ...
+
+    def on_train_step_end(self, trainer: Trainer, module: TrainModule, timing: StepTiming) -> None: ...
 
     def on_save_checkpoint(self, trainer: Trainer, module: TrainModule, checkpoint: dict[str, Any]) -> None: ...
 

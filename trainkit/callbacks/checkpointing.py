@@ -13,6 +13,7 @@ from trainkit.callbacks.base import Callback
 from trainkit.signals import Preempted
 
 if TYPE_CHECKING:
+    from trainkit.hooks import StepTiming
     from trainkit.module import TrainModule
     from trainkit.trainer import Trainer
 
@@ -61,7 +62,7 @@ class ModelCheckpoint(Callback):
         self.every_n_epochs = every_n_epochs if every_n_epochs is not None or every_n_train_steps else 1
         self.async_save = async_save
         self.saved: list[dict[str, Any]] = []  # {"name", "step", "score"} of checkpoints this callback keeps
-        self._last_step = -1
+        self._last_step = -1  # the step of the last save (save_last adds none at the same step)
         self._warned_missing = False
 
     @property
@@ -95,11 +96,9 @@ class ModelCheckpoint(Callback):
     def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
         self.resolve_dirpath(trainer)
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_step_end(self, trainer: Trainer, module: TrainModule, timing: StepTiming) -> None:
         n = self.every_n_train_steps
-        step = trainer.global_step
-        if n and step % n == 0 and step != self._last_step and not trainer.accumulating:
+        if n and trainer.global_step % n == 0:
             self.save(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:

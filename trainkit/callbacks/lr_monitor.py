@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from trainkit.callbacks.base import Callback
 
 if TYPE_CHECKING:
+    from trainkit.hooks import StepTiming
     from trainkit.module import TrainModule
     from trainkit.trainer import Trainer
 
@@ -22,7 +23,6 @@ class LearningRateMonitor(Callback):
         if logging_interval not in ("step", "epoch"):
             raise ValueError(f"logging_interval must be 'step' or 'epoch'; got {logging_interval!r}.")
         self.logging_interval = logging_interval
-        self._last_step = -1
 
     def _values(self, trainer: Trainer) -> dict[str, float]:
         optimizer = trainer.optimizer
@@ -34,11 +34,9 @@ class LearningRateMonitor(Callback):
             return {name: float(groups[0]["lr"])}
         return {f"{name}/pg{i}": float(g["lr"]) for i, g in enumerate(groups)}
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_step_end(self, trainer: Trainer, module: TrainModule, timing: StepTiming) -> None:
         step = trainer.global_step
-        if self.logging_interval == "step" and step != self._last_step and step % trainer.log_every_n_steps == 0:
-            self._last_step = step
+        if self.logging_interval == "step" and step % trainer.log_every_n_steps == 0:
             trainer.log_metrics(self._values(trainer), step)
 
     def on_train_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from trainkit.callbacks.base import Callback
 
 if TYPE_CHECKING:
+    from trainkit.hooks import StepTiming
     from trainkit.module import TrainModule
     from trainkit.trainer import Trainer
 
@@ -31,7 +32,6 @@ class PyTorchProfiler(Callback):
         self.dirpath: Path | None = None
         self._profiler: Any = None
         self._steps = 0
-        self._last_step = -1
 
     def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
         from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
@@ -47,13 +47,11 @@ class PyTorchProfiler(Callback):
             on_trace_ready=tensorboard_trace_handler(str(self.dirpath), worker_name=f"rank{trainer.global_rank}"),
         )
         self._profiler.__enter__()
-        self._steps, self._last_step = 0, trainer.global_step
+        self._steps = 0
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        if self._profiler is None or trainer.global_step == self._last_step or trainer.accumulating:
+    def on_train_step_end(self, trainer: Trainer, module: TrainModule, timing: StepTiming) -> None:
+        if self._profiler is None:
             return
-        self._last_step = trainer.global_step
         self._profiler.step()
         self._steps += 1
         if self._steps >= self.wait + self.warmup + self.active:
@@ -79,7 +77,6 @@ class SimpleProfiler(Callback):
     def __init__(self) -> None:
         self.totals: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
-        self._last_step = -1
 
     def record(self, name: str, seconds: float) -> None:
         self.totals[name] += seconds
@@ -95,13 +92,9 @@ class SimpleProfiler(Callback):
 
         return wrapper
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        if trainer.global_step != self._last_step and not trainer.accumulating and trainer.fit_loop is not None:
-            self._last_step = trainer.global_step
-            timing = trainer.fit_loop.step.timing
-            self.record("forward + backward (window)", timing["forward_backward"])
-            self.record("optimizer step", timing["optimizer"])
+    def on_train_step_end(self, trainer: Trainer, module: TrainModule, timing: StepTiming) -> None:
+        self.record("forward + backward (window)", timing.forward_backward_s)
+        self.record("optimizer step", timing.optimizer_s)
 
     def table(self) -> str:
         rows = sorted(self.totals.items(), key=lambda kv: -kv[1])

@@ -18,13 +18,14 @@ It costs a dictionary copy per optimizer step, and a few reads per logged step.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from trainkit.callbacks.base import Callback
 
 if TYPE_CHECKING:
+    from trainkit.hooks import StepTiming
     from trainkit.module import TrainModule
     from trainkit.trainer import Trainer
 
@@ -58,7 +59,6 @@ class Telemetry(Callback):
         self.comm, self.timing, self.memory = comm, timing, memory
         self._bytes: dict[str, int] = {}
         self._wait = 0.0
-        self._last_step = -1
         self.last: dict[str, float] = {}
 
     def _totals(self, trainer: Trainer) -> tuple[dict[str, int], float]:
@@ -72,23 +72,17 @@ class Telemetry(Callback):
 
     def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
         self._bytes, self._wait = self._totals(trainer)
-        self._last_step = trainer.global_step
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_step_end(self, trainer: Trainer, module: TrainModule, timing: StepTiming) -> None:
         step = trainer.global_step
-        if step == self._last_step or trainer.accumulating:
-            return
-        self._last_step = step
         totals, wait = self._totals(trainer)
         if step % trainer.log_every_n_steps == 0:
             metrics: dict[str, float] = {}
             if self.comm:
                 metrics |= {f"comm/{k}_bytes": float(n - self._bytes.get(k, 0)) for k, n in totals.items()}
-            if self.timing and trainer.fit_loop is not None:
-                timing = trainer.fit_loop.step.timing
-                metrics["time/forward_backward_ms"] = timing["forward_backward"] * 1e3
-                metrics["time/optimizer_ms"] = timing["optimizer"] * 1e3
+            if self.timing:
+                metrics["time/forward_backward_ms"] = timing.forward_backward_s * 1e3
+                metrics["time/optimizer_ms"] = timing.optimizer_s * 1e3
                 metrics["time/comm_wait_ms"] = (wait - self._wait) * 1e3
             if self.memory:
                 metrics |= self._memory(trainer.strategy.device)

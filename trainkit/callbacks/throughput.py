@@ -13,6 +13,7 @@ from trainkit.callbacks.base import Callback
 from trainkit.utils import infer_batch_size
 
 if TYPE_CHECKING:
+    from trainkit.hooks import StepTiming
     from trainkit.module import TrainModule
     from trainkit.trainer import Trainer
 
@@ -58,13 +59,12 @@ class ThroughputMonitor(Callback):
         self._samples = 0
         self._items: Any = 0.0
         self._t0 = 0.0
-        self._last_step = -1
         self._counter: Any = None
         self.last: dict[str, float] = {}
 
     def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
         self._t0 = time.perf_counter()
-        self._samples, self._items, self._last_step = 0, 0.0, trainer.global_step
+        self._samples, self._items = 0, 0.0
         given = getattr(module, "flops_per_sample", None)
         self.flops_per_sample = float(given() if callable(given) else given) if given is not None else None
         if self.peak_flops is None:
@@ -78,10 +78,9 @@ class ThroughputMonitor(Callback):
         self._samples += self.batch_size_fn(batch)
         if isinstance(outputs, Mapping) and outputs.get("num_items") is not None:
             self._items = self._items + outputs["num_items"]  # a tensor stays on device until logged
+
+    def on_train_step_end(self, trainer: Trainer, module: TrainModule, timing: StepTiming) -> None:
         step = trainer.global_step
-        if step == self._last_step or trainer.accumulating:
-            return
-        self._last_step = step
         if self._counter is not None:
             flops = self._stop_counting()
             self.flops_per_sample = flops / self._samples if flops and self._samples else None
