@@ -49,7 +49,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 _heartbeat: Heartbeat | None = None  # this process's, started with the default process group (liveness.py)
-_SLICE_S = 1.0  # a gloo wait checks the heartbeat this often, so a peer it declared dead fails the wait at once
+_SLICE = timedelta(seconds=1)  # a gloo wait checks the heartbeat this often: a verdict fails the wait at once
 _waiter = Waiter()
 
 
@@ -146,10 +146,11 @@ class Handle:
     rest run inside ``wait()``.
     """
 
-    __slots__ = ("_comm", "_rounds", "_work")
+    __slots__ = ("_comm", "_p2p", "_rounds", "_work")
 
-    def __init__(self, work: Any = None, comm: Comm | None = None, rounds: Iterator[list[Any]] | None = None) -> None:
-        self._work, self._comm, self._rounds = work, comm, rounds
+    def __init__(self, work: Any = None, comm: Comm | None = None, rounds: Iterator[list[Any]] | None = None,
+                 p2p: bool = True) -> None:
+        self._work, self._comm, self._rounds, self._p2p = work, comm, rounds, p2p
         if rounds is not None:
             self._work = comm._guard(next, rounds, None)  # type: ignore[union-attr]
 
@@ -157,7 +158,7 @@ class Handle:
         while self._work is not None:
             work, self._work = self._work, None
             assert self._comm is not None
-            self._comm._wait(work)
+            self._comm._wait(work, self._p2p)
             if self._rounds is not None:
                 self._work = self._comm._guard(next, self._rounds, None)
 
@@ -263,21 +264,34 @@ class Comm:
         finally:
             self.stats.wait_s += time.perf_counter() - start
 
-    def _wait(self, work: Any) -> None:
-        """Wait for ``work`` (one work, or a list). On gloo with a heartbeat the works are waited for whole on
-        ``liveness.Waiter``'s thread (a gloo wait that times out closes its connection) while this thread checks the
-        heartbeat every second, so a peer it declared dead fails the wait at once. (NCCL's wait does not block the
-        host; the heartbeat aborts its communicators instead.)"""
+    def _wait(self, work: Any, p2p: bool = True) -> None:
+        """Wait for ``work`` (one work, or a list), failing at once on a verdict of the heartbeat. On gloo a
+        collective's wait runs in one-second slices with the heartbeat checked between them; a point-to-point wait
+        (``p2p``: a ring round, a pipeline's transfer) is never cut short, because gloo closes the connection of one
+        that times out: it is handed whole to ``liveness.Waiter``'s thread while this one checks the heartbeat.
+        (NCCL's wait does not block the host; the heartbeat aborts its communicators instead.)"""
         works = work if isinstance(work, list) else [work]
         if not self.ring or _heartbeat is None:
             for w in works:
                 self._guard(w.wait)
             return
-        start = time.perf_counter()
-        heartbeat = _heartbeat
+        start, heartbeat = time.perf_counter(), _heartbeat
+
+        def give_up() -> bool:
+            return heartbeat.failure is not None or time.perf_counter() - start > self.timeout_s
+
         try:
-            _waiter.wait(works, _SLICE_S, lambda: heartbeat.failure is not None
-                         or time.perf_counter() - start > self.timeout_s)
+            if p2p:
+                _waiter.wait(works, _SLICE.total_seconds(), give_up)
+                return
+            for w in works:
+                while True:
+                    try:
+                        w.wait(timeout=_SLICE)
+                        break
+                    except RuntimeError as err:
+                        if give_up() or "timed out" not in str(err).lower():
+                            raise
         except (RuntimeError, dist.DistError, TimeoutError) as err:
             raise self._failed(err) from err
         finally:
@@ -286,8 +300,8 @@ class Comm:
     def _run(self, fn: Any, *args: Any, async_op: bool = False, **kwargs: Any) -> Handle:
         work = self._guard(fn, *args, group=self.group, async_op=True, **kwargs)
         if async_op:
-            return Handle(work, self)
-        self._wait(work)
+            return Handle(work, self, p2p=False)
+        self._wait(work, p2p=False)
         return DONE
 
     # -- collectives -------------------------------------------------------------------------------

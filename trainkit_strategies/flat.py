@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from trainkit_strategies.comm import Comm, Handle
+from trainkit_strategies.environment import Environment
 from trainkit_strategies.state import Segment
 
 ALIGN = 16  # elements: pieces start on 64-byte boundaries for fp32 (32 for bf16)
@@ -84,6 +85,16 @@ FIRST_BUCKET_BYTES = 2**20
 """The first bucket of a backward closes once it holds this much (torch DDP's first bucket too): the first
 gradients start across the wire while the rest of backward runs, instead of waiting for a whole bucket. Over a
 1 Gb/s link a 25 MiB first bucket left the link idle for 3/4 of backward (about 20 ms a step on the reference MLP)."""
+
+
+def first_bucket_bytes(env: Environment) -> int | None:
+    """``FIRST_BUCKET_BYTES`` where an early first bucket pays: across a network, or on GPUs (whose collectives run
+    beside the computation). None (the first bucket as large as any) where every rank computes on the CPUs of one
+    host: a collective in flight there runs on the cores backward computes on, and starting one early delayed
+    backward by more than it saved (2 ranks on 2 cores over loopback, the reference MLP of
+    ``benchmarks/strategies.py``: 0.91x torch DDP's step with a whole first bucket, 0.97x with a 1 MiB one)."""
+    one_host = env.local_world_size in (0, env.world_size)
+    return None if one_host and env.device.type == "cpu" else FIRST_BUCKET_BYTES
 
 
 def pack(params: Sequence[Tensor], limit_bytes: int, key: Callable[[Tensor], object] = lambda p: None,

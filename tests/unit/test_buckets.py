@@ -46,19 +46,32 @@ def fake_world():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2"])
-def test_strategies_start_with_a_small_bucket_of_the_last_layer(fake_world, name):
+def _buckets_of(name: str, env: Environment) -> tuple[nn.Module, list[list[nn.Parameter]]]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 1024), nn.GELU(), nn.Linear(1024, 512), nn.GELU(), nn.Linear(512, 64))
     strategy = get_strategy(name)
-    strategy.setup_environment(Environment(rank=1, world_size=fake_world))
+    strategy.setup_environment(env)
     strategy.setup(model, torch.optim.AdamW(model.parameters()), Precision.from_name("32"))
     params = [b.params for b in (strategy._buckets if name == "ddp" else strategy.buckets)]
+    strategy.teardown()
+    return model, params
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2"])
+def test_strategies_start_with_a_small_bucket_of_the_last_layer_across_nodes(fake_world, name):
+    model, params = _buckets_of(name, Environment(rank=1, world_size=fake_world, local_world_size=1))
     last = list(model[4].parameters()) + list(model[2].parameters())  # 128 KiB, then 2 MiB: crosses 1 MiB
     assert {id(p) for p in params[0]} == {id(p) for p in last}
     assert sum(p.numel() * 4 for p in params[0]) >= FIRST_BUCKET_BYTES
     assert {id(p) for p in params[1]} == {id(p) for p in model[0].parameters()}
-    strategy.teardown()
+
+
+@pytest.mark.parametrize("local_world_size", [2, 0], ids=["one-host", "unknown"])
+@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2"])
+def test_cpu_ranks_of_one_host_start_with_a_whole_bucket(fake_world, name, local_world_size):
+    """There a collective in flight takes the cores backward computes on: no early small bucket."""
+    model, params = _buckets_of(name, Environment(rank=1, world_size=fake_world, local_world_size=local_world_size))
+    assert [{id(p) for p in b} for b in params] == [{id(p) for p in model.parameters()}]
 
 
 class _Flight:

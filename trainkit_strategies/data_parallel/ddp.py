@@ -36,7 +36,7 @@ from trainkit_strategies.base import Strategy
 from trainkit_strategies.capabilities import SelfReducing
 from trainkit_strategies.comm import Handle
 from trainkit_strategies.data_parallel.powersgd import PowerSGD
-from trainkit_strategies.flat import FIRST_BUCKET_BYTES, OrderedLauncher, pack
+from trainkit_strategies.flat import OrderedLauncher, first_bucket_bytes, pack
 from trainkit_strategies.norms import combine_norm
 from trainkit_strategies.precision import Precision
 
@@ -91,7 +91,6 @@ class DDPStrategy(Strategy):
         self._slots: dict[nn.Parameter, _Slot] = {}
         self._names: dict[nn.Parameter, str] = {}
         self._launcher = OrderedLauncher([], self._launch)
-        self._views_detached = False
         self._end_queued = False
 
     # -- setup ---------------------------------------------------------------------------------------
@@ -117,7 +116,7 @@ class DDPStrategy(Strategy):
 
     def _build_buckets(self, params: list[nn.Parameter]) -> None:
         groups = pack(list(reversed(params)), int(self.bucket_mb * 2**20), key=lambda p: p.dtype,
-                      first_bytes=FIRST_BUCKET_BYTES)
+                      first_bytes=first_bucket_bytes(self.env))
         self._buckets, self._slots = [], {}
         layouts = []  # per bucket, (offset, shape) of each parameter: what PowerSGD compresses
         for index, group in enumerate(groups):
@@ -160,6 +159,9 @@ class DDPStrategy(Strategy):
 
     def _launch(self, index: int) -> None:
         bucket = self._buckets[index]
+        for p in bucket.params:  # no gradient this window: its part of the bucket holds an earlier one
+            if not self._slots[p].used:
+                self._slots[p].view.zero_()
         if self._local:
             return
         if self._compressing:
@@ -194,6 +196,10 @@ class DDPStrategy(Strategy):
             self.compressor.exchange([bucket.buffer for bucket in self._buckets], self.comm)
         if self.compressor is not None:
             self.compressor.steps += 1
+        unused_anywhere = set(globally_unused)
+        for p, slot in self._slots.items():  # unused here, used elsewhere: the sum of the others' gradients
+            if not slot.used and p not in unused_anywhere:
+                p.grad = slot.view
         apply_scale = not (isinstance(scale, float | int) and scale == 1.0)
         for bucket in self._buckets:
             if bucket.handle is not None:
@@ -206,7 +212,6 @@ class DDPStrategy(Strategy):
         self._launcher.reset()
         for p in globally_unused:
             p.grad = None
-            self._views_detached = True
 
     def grad_norm(self, norm_type: float = 2.0, exclude: Collection[Tensor] = ()) -> Tensor:
         """While gradients stay local (a SelfReducing optimizer's compressed phase): the root mean (p-th power
@@ -235,12 +240,11 @@ class DDPStrategy(Strategy):
                           "powersgd_rank or the model changed); compression restarts with its warm-up.", stacklevel=2)
 
     def zero_grad(self) -> None:
-        for bucket in self._buckets:
-            bucket.buffer.zero_()
-        if self._views_detached:
-            for p, slot in self._slots.items():
-                p.grad = slot.view
-            self._views_detached = False
+        """Every gradient to None, the buckets left as they are: the window's first backward copies each gradient
+        into its bucket (``_on_grad``), 8 bytes an element, where zeroing the buckets and accumulating into them
+        moved 16; a parameter that gets none is zeroed in its bucket before the bucket is reduced."""
+        for p in self._slots:
+            p.grad = None
 
     def gradients(self) -> list[Tensor]:
         return [p.grad for p in self._slots if p.grad is not None]

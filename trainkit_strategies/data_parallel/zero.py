@@ -41,7 +41,7 @@ from trainkit_strategies.data_parallel.gradients import (
     WholeGradients,
 )
 from trainkit_strategies.data_parallel.onebit import SignReduceScatter
-from trainkit_strategies.flat import FIRST_BUCKET_BYTES, BucketReducer, FlatBucket, OrderedLauncher, pack
+from trainkit_strategies.flat import BucketReducer, FlatBucket, OrderedLauncher, first_bucket_bytes, pack
 from trainkit_strategies.hostcopy import mark
 from trainkit_strategies.master import DeferredGradScale, MasterShards
 from trainkit_strategies.memory import MemoryReport
@@ -120,7 +120,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         # frozen parameters stay whole and untouched, as the optimizer would leave them (grad None)
         group_of = {p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"] if p.requires_grad}
         packed = pack(list(reversed(list(group_of))), int(self.bucket_mb * 2**20), key=lambda p: group_of[p],
-                      first_bytes=FIRST_BUCKET_BYTES)
+                      first_bytes=first_bucket_bytes(self.env))
         self.buckets = [FlatBucket.build(b, [names[p] for p in b], self.world_size, group_of[b[0]]) for b in packed]
         for index, bucket in enumerate(self.buckets):
             bucket.index = index
