@@ -10,7 +10,39 @@ import torch
 from torch import nn
 
 from trainkit.activation import resolve_mode
-from trainkit.estimate import AUTO_ORDER, choose, estimate, human, mesh_layouts, meta_copy
+from trainkit.estimate import (
+    AUTO_ORDER,
+    choose,
+    device_memory_of,
+    estimate,
+    first_batch,
+    human,
+    mesh_layouts,
+    meta_copy,
+)
+from trainkit_strategies import Environment, Strategy, get_strategy
+
+
+def choose_strategy(module: nn.Module, loader: Any, planner: Strategy, env: Environment, precision: str,
+                    device_memory: int | None, checkpointing: Any, every: int) -> Strategy:
+    """Rank 0 plans on the first batch of ``loader`` (``plan_auto``) and broadcasts its decision through ``planner``
+    (the strategy that joined the ranks until now); every rank builds the chosen strategy on ``planner``'s
+    communicator. A decision that nothing fits fails on every rank with rank 0's reason."""
+    try:
+        batch = first_batch(loader)
+    except ValueError as err:
+        decision: tuple = (None, {}, str(err))
+    else:
+        decision = plan_auto(module, batch, env.world_size, precision, device_memory or device_memory_of(env.device),
+                             checkpointing, every, env.device.type, env.local_world_size or None)
+    name, options, message = planner.broadcast_object(decision)
+    if name is None:
+        raise ValueError(message)
+    if env.rank == 0:
+        print(message, flush=True)
+    chosen = get_strategy(name, **options)
+    chosen.setup_environment(env, comm=planner.comm)
+    return chosen
 
 
 def plan_auto(module: nn.Module, batch: Any, world_size: int, precision: str, memory: int,

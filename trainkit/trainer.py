@@ -16,7 +16,7 @@ from trainkit import checkpoint as ckpt
 from trainkit import launcher, resume, transforms
 from trainkit.activation import resolve_mode
 from trainkit.async_checkpoint import AsyncSaver
-from trainkit.auto import plan_auto
+from trainkit.auto import choose_strategy
 from trainkit.callbacks.base import Callback
 from trainkit.callbacks.checkpointing import ModelCheckpoint
 from trainkit.callbacks.profiler import SimpleProfiler, make_profiler
@@ -25,7 +25,7 @@ from trainkit.callbacks.telemetry import Telemetry
 from trainkit.callbacks.throughput import ThroughputMonitor
 from trainkit.data import DataConnector, DataModule
 from trainkit.dispatch import HookDispatch
-from trainkit.estimate import device_memory_of, first_batch, parse_bytes
+from trainkit.estimate import parse_bytes
 from trainkit.failures import leave_the_ranks
 from trainkit.loggers import Logger, TensorBoardLogger
 from trainkit.loops import EvalLoop, FitLoop, LoopConfig, Progress, loss_logger
@@ -403,10 +403,17 @@ class Trainer(TrainerProperties):
                 raise failure from exc
             raise
         finally:
-            self.signals.uninstall(clean=sys.exc_info()[0] is None)
+            failing = sys.exc_info()[0] is not None
+            self.signals.uninstall(clean=not failing)
             hooks("teardown", fn)
             if self.datamodule is not None:
                 self.datamodule.teardown(fn)
+            try:  # the strategy's threads stop and its gradient hooks come off; its next backward puts them back
+                self.strategy.teardown()
+            except Exception as err:
+                if not failing:
+                    raise
+                rank_zero_warn(f"{type(self.strategy).__name__}.teardown failed after the run's error: {err!r}")
             for lg in self.loggers:
                 if self.is_global_zero:
                     lg.finalize("finished")
@@ -437,27 +444,13 @@ class Trainer(TrainerProperties):
         self.strategy.setup(module, optimizer, self.precision)
 
     def _choose_strategy(self, module: TrainModule) -> None:
-        """``strategy="auto"``: rank 0's plan (``auto.py``), broadcast, and the chosen strategy in the planner's
-        place."""
+        """``strategy="auto"``: rank 0's plan (``auto.py``), and the chosen strategy in the planner's place."""
         self._auto = False
         if self.data.train_dataloader is None:
             self.data.connect_train()
-        try:
-            batch = first_batch(self.data.train_dataloader)
-        except ValueError as err:
-            decision: tuple = (None, {}, str(err))
-        else:
-            decision = plan_auto(module, batch, self.world_size, self.precision.name,
-                                 self.device_memory or device_memory_of(self.strategy.device),
-                                 self.activation_checkpointing, self.activation_checkpointing_every,
-                                 self.strategy.device.type, self.env.local_world_size or None)
-        name, options, message = self.strategy.broadcast_object(decision)
-        if name is None:
-            raise ValueError(message)
-        if self.is_global_zero:
-            print(message, flush=True)
-        chosen = get_strategy(name, **options)
-        chosen.setup_environment(self.env, comm=self.strategy.comm)
+        chosen = choose_strategy(module, self.data.train_dataloader, self.strategy, self.env, self.precision.name,
+                                 self.device_memory, self.activation_checkpointing,
+                                 self.activation_checkpointing_every)
         self.strategy = self.data.strategy = chosen
         self.results = Results(chosen.reduce)
 

@@ -94,7 +94,8 @@ def first_bucket_bytes(env: Environment) -> int | None:
     backward by more than it saved (2 ranks on 2 cores over loopback, the reference MLP of
     ``benchmarks/strategies.py``: 0.91x torch DDP's step with a whole first bucket, 0.97x with a 1 MiB one)."""
     one_host = env.local_world_size in (0, env.world_size)
-    return None if one_host and env.device.type == "cpu" else FIRST_BUCKET_BYTES
+    on_cpus = not env.host_is_separate  # a CPU device (or a plan of one: trainkit estimate's meta device)
+    return None if one_host and on_cpus else FIRST_BUCKET_BYTES
 
 
 def pack(params: Sequence[Tensor], limit_bytes: int, key: Callable[[Tensor], object] = lambda p: None,

@@ -50,7 +50,7 @@ class Watch(Callback):
     def __init__(self, root: Path) -> None:
         self.root, self.seen = root, {}
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+    def on_train_step_end(self, trainer, module, timing) -> None:
         step = trainer.global_step
         if step % 2 == 0 and step not in self.seen:
             latest = self.root / "checkpoints" / "latest"

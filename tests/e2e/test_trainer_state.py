@@ -15,6 +15,8 @@ from torch.utils.data import DataLoader
 import trainkit as tk
 from tests.e2e.cli_runs import ROOT
 from tests.helpers import Regression, regression_data
+from trainkit.callbacks import Callback
+from trainkit_strategies import get_strategy
 
 
 class OneCycle(Regression):
@@ -118,3 +120,44 @@ def test_all_gather_stacks_every_rank(tmp_path):
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "SHAPE (2, 3) DISTINCT True" in proc.stdout
+
+
+class _HooksDuringFit(Callback):
+    """Whether every trainable parameter carried a gradient hook at each optimizer step."""
+
+    def __init__(self) -> None:
+        self.hooked: list[bool] = []
+
+    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+        self.hooked.append(all(p._post_accumulate_grad_hooks for p in module.parameters()))
+
+
+def _gradient_hooks(module: torch.nn.Module) -> int:
+    return sum(len(p._post_accumulate_grad_hooks or {}) for p in module.parameters())
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero2"])
+def test_teardown_runs_after_every_run_and_the_next_backward_rearms(tmp_path, name):
+    """A run's end takes the strategy's gradient hooks off the module (a backward by hand afterwards reduces
+    nothing); the next fit puts them back at its first backward, and validation between the two works."""
+    module, probe = Regression(), _HooksDuringFit()
+    data = DataLoader(regression_data(32), batch_size=8)
+    trainer = tk.Trainer(strategy=name, max_steps=2, logger=False, enable_progress_bar=False,
+                         enable_checkpointing=False, default_root_dir=tmp_path, callbacks=[probe])
+    trainer.fit(module, data)
+    assert probe.hooked == [True, True]
+    assert _gradient_hooks(module) == 0
+    trainer.validate(module, DataLoader(regression_data(8), batch_size=8), verbose=False)
+    trainer.max_steps = 4
+    trainer.fit(module, data)
+    assert probe.hooked == [True] * 4 and _gradient_hooks(module) == 0
+
+
+def test_teardown_stops_zero_offloads_host_threads(tmp_path):
+    import threading
+
+    trainer = tk.Trainer(strategy=get_strategy("zero_offload", overlap_step=True, delayed_update=True),
+                         max_steps=3, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                         default_root_dir=tmp_path)
+    trainer.fit(Regression(), DataLoader(regression_data(32), batch_size=8))
+    assert [t.name for t in threading.enumerate() if t.name.startswith("trainkit-offload")] == []

@@ -255,7 +255,7 @@ def test_the_offload_plan_is_what_a_run_holds(accumulate):
     strategy = get_strategy("zero_offload", overlap_step=True)
     strategy.setup_environment(Environment())
     strategy.setup(module, module.configure_optimizers(), Precision.from_name("bf16-mixed"))
-    assert len(strategy.buckets) >= 3
+    assert len(strategy.buckets) >= 2
     for _ in range(3):
         for micro in range(accumulate):
             last = micro == accumulate - 1

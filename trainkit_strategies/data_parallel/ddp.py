@@ -37,6 +37,7 @@ from trainkit_strategies.capabilities import SelfReducing
 from trainkit_strategies.comm import Handle
 from trainkit_strategies.data_parallel.powersgd import PowerSGD
 from trainkit_strategies.flat import OrderedLauncher, first_bucket_bytes, pack
+from trainkit_strategies.memory import MemoryReport
 from trainkit_strategies.norms import combine_norm
 from trainkit_strategies.precision import Precision
 
@@ -111,8 +112,13 @@ class DDPStrategy(Strategy):
         self._names = {p: n for n, p in module.named_parameters()}
         params = [p for p in module.parameters() if p.requires_grad]
         self._build_buckets(params)
+        self._arm()
+
+    def _arm(self) -> None:
+        """The gradient hooks on (after ``setup``, and again at the first backward after a ``teardown``)."""
         for p, slot in self._slots.items():
-            slot.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            if not slot.hooks:
+                slot.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     def _build_buckets(self, params: list[nn.Parameter]) -> None:
         groups = pack(list(reversed(params)), int(self.bucket_mb * 2**20), key=lambda p: p.dtype,
@@ -140,6 +146,7 @@ class DDPStrategy(Strategy):
     @contextlib.contextmanager
     def backward_pass(self) -> Iterator[None]:
         self._local = isinstance(self.optimizer, SelfReducing) and self.optimizer.reduces_gradients
+        self._arm()
         if self._syncing:
             self._launcher.reset()
         self._end_queued = False
@@ -249,7 +256,15 @@ class DDPStrategy(Strategy):
     def gradients(self) -> list[Tensor]:
         return [p.grad for p in self._slots if p.grad is not None]
 
+    def memory_report(self) -> MemoryReport:
+        """The gradients are the buckets, held between steps whether or not a ``.grad`` points into them."""
+        report = super().memory_report()
+        held = sum(b.buffer.untyped_storage().nbytes() for b in self._buckets)
+        return MemoryReport({**report.device, "grads": held}, report.host, report.pinned)
+
     def teardown(self) -> None:
+        """The gradient hooks off: a backward outside the strategy's sums nothing across ranks; the strategy's next
+        ``backward`` puts them back."""
         for slot in self._slots.values():
             for handle in slot.hooks:
                 handle.remove()

@@ -228,7 +228,6 @@ class OffloadedGradients(PartitionedGradients):
             self._scratch = [torch.empty(largest, dtype=dtype, device=env.device) for _ in range(2)]
             self._staging = [host_buffer(largest, dtype, env, pinned=True) for _ in range(2)]
             self._copies = CopyStream(env.device)
-            self._adder = ThreadPoolExecutor(1, thread_name_prefix="trainkit-offload-accumulate")
 
     def submit(self, fn: Any, *args: Any) -> Future:
         """Run ``fn(*args)`` on the host step's thread, after everything submitted to it before."""
@@ -251,7 +250,7 @@ class OffloadedGradients(PartitionedGradients):
                                 on_done=lambda: self._to_host(bucket, scratch, slot, accumulate))
 
     def _to_host(self, bucket: FlatBucket, scratch: Tensor, slot: int, accumulate: bool) -> None:
-        assert self._copies is not None and self._adder is not None
+        assert self._copies is not None
         pending = self._adding[slot]
         if accumulate and pending is not None:
             pending.result()  # the staging piece's previous add has read it
@@ -260,6 +259,8 @@ class OffloadedGradients(PartitionedGradients):
             transfer(target, scratch)
             self._copied[slot] = landed = self._copies.mark()
         if accumulate:
+            if self._adder is None:  # made on first use (again after close)
+                self._adder = ThreadPoolExecutor(1, thread_name_prefix="trainkit-offload-accumulate")
             self._adding[slot] = landed = self._adder.submit(self._add, landed, self.piece(bucket), target)
         self.strategy.gradient_landed(bucket, landed)
 

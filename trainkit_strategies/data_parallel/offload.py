@@ -83,7 +83,6 @@ class ZeroOffloadStrategy(StepsInBackward, Zero2Strategy):
         if optimizer is not None and self.delayed_update:
             self._master.add_low_buffers(precision.working_dtype)  # the step must not write the params in use
             self._spare = [host_buffer(b.numel(), b.dtype, self.env, pinned=True) for b in self.grads.buffers]
-            self._worker = self._worker or ThreadPoolExecutor(1, thread_name_prefix="trainkit-offload-step")
 
     # -- the step during backward --------------------------------------------------------------------
     def step_in_backward(self, scale: float | Tensor) -> bool:
@@ -141,7 +140,8 @@ class ZeroOffloadStrategy(StepsInBackward, Zero2Strategy):
         if not self.delayed_update:
             super().optimizer_step()
             return
-        assert self.optimizer is not None and self._worker is not None
+        assert self.optimizer is not None
+        self._worker = self._worker or ThreadPoolExecutor(1, thread_name_prefix="trainkit-offload-step")
         self._settle_step()  # step t-1 is done: its parameters go to the device before step t starts
         grads, self.grads.buffers, self._spare = self.grads.buffers, self._spare, self.grads.buffers
         mult = self._take_grad_mult()

@@ -139,9 +139,14 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         self.reducer = BucketReducer(self.comm, self.grad_dtype, self.device, max(b.padded for b in self.buckets),
                                      buffers=self.grads.reduce_buffers)
         self._master.retarget(optimizer)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._bucket_of]
+        self._arm()
         self._signs = (SignReduceScatter(optimizer.error_feedback, getattr(optimizer, "workspace", None))
                        if isinstance(optimizer, SelfReducing) else None)
+
+    def _arm(self) -> None:
+        """The gradient hooks on (after ``setup``, and again at the first backward after a ``teardown``)."""
+        if not self._hooks:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._bucket_of]
 
     def _host_threads(self) -> int | None:
         """Cores an offloaded host step uses (None: torch's intra-op threads)."""
@@ -175,6 +180,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
     def backward_pass(self) -> Iterator[None]:
         compressing = self._signs is not None and self.optimizer.reduces_gradients  # type: ignore[union-attr]
         self.reducer.codec = self._signs if compressing else None
+        self._arm()
         self.launcher.reset()
         self.grads.begin_backward()
         yield

@@ -473,6 +473,5 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         return [self.comm] + ([self.replicate] if self.replicate is not None else [])
 
     def teardown(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        """Nothing to release: the module holds only its shards, and its hooks, which gather a unit for each forward,
+        are what keeps it usable (evaluation after ``fit``, a ``forward`` by hand)."""
