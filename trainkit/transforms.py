@@ -26,6 +26,7 @@ from torch import nn
 from trainkit.activation import apply_activation_checkpointing
 from trainkit_strategies import Parallelizes, ShardedInit, Strategy
 from trainkit_strategies.sharding.units import repeated_layers
+from trainkit_strategies.tensor.regions import run_eagerly_under_compile
 
 
 def build(module: Any, strategy: Strategy, activation_checkpointing: Any = None, every: int = 1,
@@ -56,6 +57,7 @@ def compile_blocks(module: nn.Module, compiler: Callable[[Callable], Callable] |
     are. ``compiler``: default ``torch.compile``. Returns how many forwards were compiled.
     """
     compiler = compiler or torch.compile
+    run_eagerly_under_compile()
     targets = repeated_layers(module) or [module]
     done = 0
     for block in targets:

@@ -116,3 +116,17 @@ def test_the_checks_see_a_cycle_and_a_long_file(tmp_path):
     assert import_cycles(tmp_path) == [["trainkit.a", "trainkit.b", "trainkit.a"]]
     assert long_files(tmp_path) == {"trainkit/b.py": LIMIT + 2}
     assert len(name_branches(tmp_path, {"ddp", "zero2"})) == 2
+
+
+def test_importing_trainkit_leaves_dynamo_unimported():
+    """torch._dynamo is imported only when compilation is asked for: imported with trainkit, before the process group
+    started, it left a rank's heartbeat thread unable to beat, so a frozen peer went unnoticed
+    (tests/e2e/test_peer_failure.py, "freeze")."""
+    import subprocess
+    import sys
+
+    code = ("import sys, trainkit, trainkit.cli, trainkit.demo.gpt, trainkit_strategies.parallel, "
+            "trainkit_strategies.registry as r\n[r.strategy_class(n) for n in r.available()]\n"
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"

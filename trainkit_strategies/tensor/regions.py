@@ -35,10 +35,16 @@ from torch.autograd import Function
 from trainkit_strategies.comm import Comm
 
 
-def _eager(fn: Any) -> Any:
-    """Run ``fn`` eagerly under ``torch.compile``: the compiled graph breaks around the collective (the ``Comm``
-    counts its bytes in Python), and dynamo does not try to trace it first."""
-    return torch.compiler.disable(fn, recursive=True)
+def _apply(function: type[Function], *args: Any) -> Any:
+    return function.apply(*args)
+
+
+def run_eagerly_under_compile() -> None:
+    """Under ``torch.compile`` run these functions eagerly: the compiled graph breaks around each collective (the
+    ``Comm`` counts its bytes in Python) without dynamo trying to trace it first. Called when compilation is asked
+    for (``trainkit.transforms.compile_blocks``), so a run that does not compile never imports dynamo."""
+    global _apply
+    _apply = torch.compiler.disable(_apply, recursive=True)
 
 
 def _owned(x: Tensor) -> Tensor:
@@ -168,46 +174,39 @@ class _GatherLast(Function):
         return grad.narrow(-1, ctx.comm.rank * ctx.width, ctx.width).contiguous(), None
 
 
-@_eager
 def copy_in(x: Tensor, comm: Comm) -> Tensor:
     """Enter the tensor-parallel region from a replicated input (Megatron's f)."""
-    return _CopyIn.apply(x, comm) if comm.active else x
+    return _apply(_CopyIn, x, comm) if comm.active else x
 
 
-@_eager
 def reduce_out(x: Tensor, comm: Comm) -> Tensor:
     """Leave the tensor-parallel region by summing the ranks' partial outputs (Megatron's g)."""
-    return _ReduceOut.apply(x, comm) if comm.active else x
+    return _apply(_ReduceOut, x, comm) if comm.active else x
 
 
-@_eager
 def gather_seq(x: Tensor, comm: Comm) -> Tensor:
     """Enter the tensor-parallel region from a sequence-sharded input (Korthikanti's g)."""
-    return _GatherSeq.apply(x, comm) if comm.active else x
+    return _apply(_GatherSeq, x, comm) if comm.active else x
 
 
-@_eager
 def scatter_seq(x: Tensor, comm: Comm) -> Tensor:
     """Leave the tensor-parallel region into the sequence-sharded one (Korthikanti's ḡ)."""
-    return _ScatterSeq.apply(x, comm) if comm.active else x
+    return _apply(_ScatterSeq, x, comm) if comm.active else x
 
 
-@_eager
 def split_seq(x: Tensor, comm: Comm) -> Tensor:
     """A replicated tensor's slice of the sequence (positions, say), for the sequence-sharded region."""
-    return _SplitSeq.apply(x, comm) if comm.active else x
+    return _apply(_SplitSeq, x, comm) if comm.active else x
 
 
-@_eager
 def gather_last(x: Tensor, comm: Comm) -> Tensor:
     """Every rank's ``x`` concatenated along the last dimension (vocabulary-split logits made whole)."""
-    return _GatherLast.apply(x, comm) if comm.active else x
+    return _apply(_GatherLast, x, comm) if comm.active else x
 
 
-@_eager
 def sequence_parallel_linear(x: Tensor, weight: Tensor, bias: Tensor | None, comm: Comm) -> Tensor:
     """``linear(all_gather_seq(x), weight, bias)``, saving only ``x`` (``SequenceParallelLinear``)."""
-    return SequenceParallelLinear.apply(x, weight, bias, comm)
+    return _apply(SequenceParallelLinear, x, weight, bias, comm)
 
 
 class SequenceParallelLinear(Function):
