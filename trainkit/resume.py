@@ -5,6 +5,7 @@ scheduler, loss scaler, callbacks, data, hyperparameters, the user's entries) an
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,36 +16,42 @@ from trainkit.utils import jsonable
 from trainkit_strategies.state import StateMismatch
 
 if TYPE_CHECKING:
-    from trainkit.trainer import Trainer
+    from trainkit_strategies import Strategy
+
+Stateful = Any  # anything with ``state_dict()`` and ``load_state_dict(state)``; None where a run has none
+States = Mapping[str, "Stateful | Mapping[str, Stateful] | None"]
 
 
-def checkpoint_meta(trainer: Trainer) -> dict[str, Any]:
-    """Everything but the tensors (``trainer.fit_loop`` must exist: checkpoints are written during fit)."""
-    module, strategy = trainer.module, trainer.strategy
-    assert module is not None and trainer.fit_loop is not None
-    sched = trainer.lr_scheduler
+def checkpoint_meta(states: States, module: Any, strategy: Strategy, precision: str,
+                    on_save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Everything a checkpoint holds but the tensors: each of ``states`` (``meta[key]``: its ``state_dict()``; a
+    mapping of them, by key, for ``callbacks``), the strategy's name and optimizer groups, the module's
+    hyperparameters and configurations, and what ``on_save`` (the ``on_save_checkpoint`` hooks) adds under
+    ``user``."""
     meta: dict[str, Any] = {
         "strategy": strategy.name,
-        "precision": trainer.precision.name,
-        "loop": trainer.fit_loop.state_dict(),
+        "precision": precision,
         "hyperparameters": jsonable(dict(module.hparams)),
         "optimizer": {
             "class": type(strategy.optimizer).__name__ if strategy.optimizer else None,
             "param_groups": strategy.optimizer_groups(),
         },
-        "scheduler": sched.state_dict() if sched is not None else None,
-        "scaler": trainer.scaler.state_dict() if trainer.scaler else None,
-        "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},
-        "datamodule": trainer.datamodule.state_dict() if trainer.datamodule is not None else None,
         "configs": module_configs(module),
         "saved_at": time.time(),
     }
+    meta |= {key: _state_of(obj) for key, obj in states.items()}
     user: dict[str, Any] = {}
-    module.on_save_checkpoint(user)
-    for cb in trainer.callbacks:
-        cb.on_save_checkpoint(trainer, module, user)
+    on_save(user)
     meta["user"] = user
     return meta
+
+
+def _state_of(obj: Any) -> Any:
+    if obj is None:
+        return None
+    if isinstance(obj, Mapping):
+        return {key: inner.state_dict() for key, inner in obj.items()}
+    return obj.state_dict()
 
 
 def module_configs(module: Any) -> dict[str, dict[str, Any]]:
@@ -77,45 +84,39 @@ def resolve(checkpoint_dir: Path, ckpt_path: str | Path) -> Path | None:
     return path
 
 
-def restore(trainer: Trainer, path: Path, fn: str) -> dict[str, Any] | None:
-    """Load the checkpoint at ``path`` into ``trainer``'s run of ``fn``: the model always; under "fit" also
-    the optimizer, loop progress, scheduler, scaler, callbacks and data state. Returns the random state the
-    resumed training continues from (None outside fit)."""
-    module, strategy = trainer.module, trainer.strategy
-    assert module is not None
+def restore(path: Path, module: Any, strategy: Strategy, states: States | None,
+            on_load: Callable[[dict[str, Any]], None], world_size: int, rank: int) -> dict[str, Any] | None:
+    """Load the checkpoint at ``path``: the model always; with ``states`` (a fit resuming) also the optimizer and
+    each of ``states`` that the checkpoint holds; then ``on_load`` (the ``on_load_checkpoint`` hooks) with the
+    user's entries. Returns the random state a resumed fit continues from (None without ``states``)."""
     reader = ckpt.CheckpointReader(path)
     meta = reader.meta
-    training = fn == "fit"
     try:
-        strategy.load_state(reader, meta["optimizer"]["param_groups"] if training else None)
+        strategy.load_state(reader, meta["optimizer"]["param_groups"] if states is not None else None)
     except StateMismatch as err:
         raise ckpt.CheckpointError(
             f"Checkpoint {path} was saved from another model than this one. {err}\nLoad it into the model it was "
             "trained with (the same class and --model options), or start without --ckpt_path."
         ) from err
-    module.on_load_checkpoint(meta.get("user", {}))
-    if not training:
+    for key, obj in (states or {}).items():
+        saved = meta.get(key)
+        if obj is None or saved is None:
+            continue
+        if isinstance(obj, Mapping):
+            for inner_key, inner in obj.items():
+                if saved.get(inner_key) is not None:
+                    inner.load_state_dict(saved[inner_key])
+        else:
+            obj.load_state_dict(saved)
+    on_load(meta.get("user", {}))
+    if states is None:
         return None
-    assert trainer.fit_loop is not None
-    trainer.fit_loop.load_state_dict(meta["loop"])
-    sched = trainer.lr_scheduler
-    if sched is not None and meta.get("scheduler") is not None:
-        sched.load_state_dict(meta["scheduler"])
-    if trainer.scaler is not None and meta.get("scaler") is not None:
-        trainer.scaler.load_state_dict(meta["scaler"])
-    for cb in trainer.callbacks:
-        state = meta["callbacks"].get(cb.state_key)
-        if state is not None:
-            cb.load_state_dict(state)
-        cb.on_load_checkpoint(trainer, module, meta.get("user", {}))
-    if trainer.datamodule is not None and meta.get("datamodule") is not None:
-        trainer.datamodule.load_state_dict(meta["datamodule"])
     ranks = meta.get("ranks", [])
-    if meta.get("world_size") == trainer.world_size and len(ranks) == trainer.world_size:
-        return ranks[trainer.global_rank]["rng"]
+    if meta.get("world_size") == world_size and len(ranks) == world_size:
+        return ranks[rank]["rng"]
     if ranks:
         rank_zero_warn(
-            f"The checkpoint was saved with {meta.get('world_size')} ranks and this run has {trainer.world_size}: "
+            f"The checkpoint was saved with {meta.get('world_size')} ranks and this run has {world_size}: "
             "random state is re-seeded from rank 0's, so dropout noise will not continue bitwise."
         )
         return ranks[0]["rng"]

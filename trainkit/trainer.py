@@ -232,6 +232,7 @@ class Trainer(TrainerProperties):
         self.results = Results(self.strategy.reduce)  # what ``self.log`` records; see callback_metrics
         self.data = DataConnector(self.strategy, self.precision, use_distributed_sampler, seed or 0)
         self.fit_loop: FitLoop | None = None  # the loops of the current (or last) run
+        self._hooks: HookDispatch | None = None  # the current run's
         self.evaluation: EvalLoop | None = None
         self._logged_metrics: dict[str, float] = {}
 
@@ -298,7 +299,10 @@ class Trainer(TrainerProperties):
         the state is copied to host memory now and written in the background; the checkpoint (and ``latest``)
         appears once every rank's file is durable, at a later step boundary, and ``on_commit(path)`` runs then.
         A save waits for the one before it."""
-        meta, pieces, rank_state = resume.checkpoint_meta(self), self.strategy.state_pieces(), {"rng": rng_state()}
+        assert self.module is not None and self._hooks is not None, "save_checkpoint runs during fit"
+        meta = resume.checkpoint_meta(self._states(), self.module, self.strategy, self.precision.name,
+                                      lambda user: self._hooks("on_save_checkpoint", user))  # type: ignore[misc]
+        pieces, rank_state = self.strategy.state_pieces(), {"rng": rng_state()}
         if async_save:
             self.saver.start(Path(dirpath), name, self.strategy, meta, pieces, rank_state, update_latest, on_commit)
             return Path(dirpath) / name
@@ -359,7 +363,7 @@ class Trainer(TrainerProperties):
         if self.deterministic:
             torch.use_deterministic_algorithms(True)
         timer = self.profiler if isinstance(self.profiler, SimpleProfiler) else None
-        hooks = HookDispatch(self, module, self.callbacks, timer)
+        hooks = self._hooks = HookDispatch(self, module, self.callbacks, timer)
         self.data.prepare(datamodule if datamodule is not None else module, train)
         try:
             self._setup(fn, module, hooks)
@@ -375,8 +379,12 @@ class Trainer(TrainerProperties):
                                         self.data, self.evaluation, self._emit, self._at_boundary)
             path = self.resolve_ckpt_path(ckpt_path) if ckpt_path is not None else None
             if path is not None:
-                random_state = resume.restore(self, path, fn)
-                if self.fit_loop is not None and fn == "fit":
+                fitting = fn == "fit"
+                on_load = hooks if fitting else hooks.module  # a resumed fit's callbacks get their state back too
+                random_state = resume.restore(path, module, self.strategy, self._states() if fitting else None,
+                                              lambda user: on_load("on_load_checkpoint", user), self.world_size,
+                                              self.global_rank)
+                if self.fit_loop is not None and fitting:
                     self.fit_loop.pending_rng = random_state
             if fn == "fit":
                 assert self.fit_loop is not None
@@ -442,6 +450,11 @@ class Trainer(TrainerProperties):
             optimizer = self.optimizer_config.optimizer
             self.scaler = DynamicLossScaler() if self.precision.loss_scaling else None
         self.strategy.setup(module, optimizer, self.precision)
+
+    def _states(self) -> dict[str, Any]:
+        """What a checkpoint keeps besides tensors, by its key in meta.json (``resume.py``)."""
+        return {"loop": self.fit_loop, "scheduler": self.lr_scheduler, "scaler": self.scaler,
+                "callbacks": {cb.state_key: cb for cb in self.callbacks}, "datamodule": self.datamodule}
 
     def _choose_strategy(self, module: TrainModule) -> None:
         """``strategy="auto"``: rank 0's plan (``auto.py``), and the chosen strategy in the planner's place."""
