@@ -17,13 +17,14 @@ if TYPE_CHECKING:
     from trainkit.loops import EvalLoop, FitLoop, Progress
     from trainkit.optim import OptimizerConfig
     from trainkit.results import Results
-    from trainkit_strategies import Environment, Strategy
+    from trainkit_strategies import DynamicLossScaler, Environment, Precision, Strategy
 
 
 class TrainerProperties:
     """Read-only views of a Trainer's state (and ``should_stop``, which callbacks set)."""
 
     strategy: Strategy
+    precision: Precision
     env: Environment
     progress: Progress
     results: Results
@@ -87,6 +88,11 @@ class TrainerProperties:
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
         return self.strategy.optimizer
+
+    @property
+    def scaler(self) -> DynamicLossScaler | None:
+        """The loss scaler the precision policy owns ("16-mixed"; None under every other policy)."""
+        return self.precision.scaler
 
     @property
     def train_dataloader(self) -> Any:

@@ -43,7 +43,7 @@ from trainkit.dispatch import HookDispatch
 from trainkit.hooks import StepTiming
 from trainkit.optim import OptimizerConfig
 from trainkit.utils import infer_batch_size
-from trainkit_strategies import DynamicLossScaler, RunsSchedule, StepsInBackward, Strategy
+from trainkit_strategies import Precision, RunsSchedule, StepsInBackward, Strategy
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class OptimizerStep:
     Args:
         strategy: does backward, reduction, clipping and the step.
         config: accumulation and clipping.
-        scaler: the fp16 loss scaler, or None.
+        precision: the precision policy: its loss scale weights each loss, and it decides a step skipped.
         hooks: dispatch of the backward/step hooks (``on_before_backward`` ... ``on_before_zero_grad``).
         optimizers: the optimizer and LR scheduler from ``configure_optimizers``.
         log_loss: where a schedule-running strategy's batch loss is logged as ``train_loss`` (no
@@ -85,10 +85,10 @@ class OptimizerStep:
             trainkit's sampler), so a plain loss's sample total needs no communication.
     """
 
-    def __init__(self, strategy: Strategy, config: StepConfig, scaler: DynamicLossScaler | None,
+    def __init__(self, strategy: Strategy, config: StepConfig, precision: Precision,
                  hooks: HookDispatch, optimizers: OptimizerConfig | None = None,
                  log_loss: Callable[[Tensor], None] | None = None, equal_batches: bool = False) -> None:
-        self.strategy, self.config, self.scaler, self.hooks = strategy, config, scaler, hooks
+        self.strategy, self.config, self.precision, self.hooks = strategy, config, precision, hooks
         self.optimizers, self.log_loss = optimizers, log_loss
         self.equal_batches = equal_batches  # every rank's batches hold as many samples (trainkit's sampler)
         self.k = config.accumulate_grad_batches
@@ -102,8 +102,8 @@ class OptimizerStep:
         self._boundary = False  # the micro-batch running is its window's last
         self._early_scale: Any = None  # the window's scale, when the strategy took it to step during backward
         # a strategy may step during the window's last backward when nothing needs the gradients before the step
-        self._steps_early = (isinstance(strategy, StepsInBackward) and scaler is None and config.gradient_clip_val
-                             is None and not hooks.fns("on_before_optimizer_step"))
+        self._steps_early = (isinstance(strategy, StepsInBackward) and not precision.loss_scaling
+                             and config.gradient_clip_val is None and not hooks.fns("on_before_optimizer_step"))
         self._forward_backward = self._scheduled if isinstance(strategy, RunsSchedule) else self._training_step
 
     # -- micro-batches -------------------------------------------------------------------------------
@@ -140,9 +140,7 @@ class OptimizerStep:
         if self.items_norm is None:
             self.items_norm = self._first_norm(n)
         self._count = self._count + n
-        weight: Any = n / self.items_norm
-        if self.scaler is not None:
-            weight = weight * self.scaler.scale
+        weight: Any = n / self.items_norm * self.precision.loss_scale
         for fn in self.hooks.fns("on_before_backward"):
             fn(loss)
         if self._boundary and self._steps_early:
@@ -170,7 +168,7 @@ class OptimizerStep:
         if self.window == 0:
             self._item_weighted = True
         self.items_norm = float(self.k)
-        weight = 1.0 / self.k if self.scaler is None else self.scaler.scale / self.k
+        weight = self.precision.loss_scale / self.k
         loss, items = strategy.run_schedule(module, batch, weight)
         for fn in self.hooks.fns("on_after_backward"):
             fn()
@@ -201,12 +199,7 @@ class OptimizerStep:
             scale = self._window_scale(count)
         strategy.reduce_gradients(scale)
         optimizer = strategy.optimizer
-        norm = None
-        skip = False
-        if self.scaler is not None:
-            norm = strategy.grad_norm()  # global: the overflow decision is the same on every rank
-            skip = not bool(torch.isfinite(norm))
-            self.scaler.update(found_inf=skip)
+        skip, norm = self.precision.skips_step(strategy.grad_norm)  # a global norm: every rank decides alike
         if not skip:
             for fn in self.hooks.fns("on_before_optimizer_step"):
                 fn(optimizer)
@@ -232,9 +225,7 @@ class OptimizerStep:
             scale: Any = (self.items_norm / total.clamp(min=1)).float()
         else:  # one rank, or as many samples on every rank that counts items
             scale = self.items_norm / max(float(count) * strategy.item_ranks, 1.0)
-        if self.scaler is not None:
-            scale = scale / self.scaler.scale
-        return scale
+        return scale / self.precision.loss_scale
 
     def step_scheduler(self, interval: str, count: int, metrics: Callable[[], dict[str, float]]) -> None:
         """Step the LR scheduler if it runs on this ``interval`` ("step" or "epoch") and ``count`` hits its

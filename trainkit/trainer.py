@@ -37,7 +37,7 @@ from trainkit.seed import rng_state, seed_everything
 from trainkit.signals import Preempted, StepSignals
 from trainkit.step import OptimizerStep, StepConfig
 from trainkit.utils import model_summary, print_results, tensor_cores_idle
-from trainkit_strategies import DynamicLossScaler, Precision, Strategy
+from trainkit_strategies import Precision, Strategy
 from trainkit_strategies.registry import get_strategy
 
 
@@ -226,7 +226,6 @@ class Trainer(TrainerProperties):
         self.module: TrainModule | None = None
         self.datamodule: DataModule | None = None
         self.optimizer_config: OptimizerConfig | None = None
-        self.scaler: DynamicLossScaler | None = None
         self.state = "idle"  # "fit", "validate", "test" or "predict" while one runs
         self.progress = Progress()
         self.results = Results(self.strategy.reduce)  # what ``self.log`` records; see callback_metrics
@@ -373,7 +372,7 @@ class Trainer(TrainerProperties):
             if fn == "fit":
                 step = OptimizerStep(self.strategy, StepConfig(self.accumulate_grad_batches, self.gradient_clip_val,
                                                                self.gradient_clip_algorithm),
-                                     self.scaler, hooks, self.optimizer_config, loss_logger(self.results),
+                                     self.precision, hooks, self.optimizer_config, loss_logger(self.results),
                                      equal_batches=self.data.equal_batches)
                 self.fit_loop = FitLoop(config, self.progress, module, self.strategy, step, hooks, self.results,
                                         self.data, self.evaluation, self._emit, self._at_boundary)
@@ -448,7 +447,6 @@ class Trainer(TrainerProperties):
                 print(model_summary(module))
             self.optimizer_config = parse_optimizers(module.configure_optimizers())
             optimizer = self.optimizer_config.optimizer
-            self.scaler = DynamicLossScaler() if self.precision.loss_scaling else None
         self.strategy.setup(module, optimizer, self.precision)
 
     def _states(self) -> dict[str, Any]:

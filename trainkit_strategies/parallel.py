@@ -41,7 +41,7 @@ from trainkit_strategies.layout import Layout, Mesh
 from trainkit_strategies.norms import combine_norm
 from trainkit_strategies.pipeline.executor import PipelineStrategy
 from trainkit_strategies.plan_comm import PlanComm
-from trainkit_strategies.precision import DTYPE_NAMES, Precision
+from trainkit_strategies.precision import Precision, dtype_named
 from trainkit_strategies.registry import get_strategy
 from trainkit_strategies.tensor.plan import Applied, apply_plan
 from trainkit_strategies.wrapper import Wrapper
@@ -92,8 +92,7 @@ class ParallelStrategy(Wrapper, Parallelizes):
         check_degrees(tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, pp=pp, cp=cp)
         if cp_method not in METHODS:
             raise ValueError(f"parallel cp_method must be one of {METHODS}; got {cp_method!r}.")
-        if reduce_dtype is not None and reduce_dtype not in DTYPE_NAMES:
-            raise ValueError(f"parallel reduce_dtype must be one of {sorted(DTYPE_NAMES)}; got {reduce_dtype!r}.")
+        dtype_named(reduce_dtype, "parallel reduce_dtype")  # checked here; the sharding engine uses it
         self.tp, self.dp_shard, self.dp_replicate, self.pp = tp, dp_shard, dp_replicate, pp
         self.cp, self.cp_method = cp, cp_method
         self._cp: ContextParallel | None = None

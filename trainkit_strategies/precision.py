@@ -1,14 +1,17 @@
 """Precision policies and dynamic loss scaling.
 
-A policy says three things a strategy needs: the dtype its parameters are held in, the dtype the
-forward runs in (through autocast), and whether the loss is scaled. Sharded strategies (ZeRO) read
-``compute_dtype`` to keep low-precision working parameters beside fp32 master shards.
+A policy says what a strategy and the optimizer step need: the dtype parameters are held in, the dtype the
+forward runs in (through autocast), and, under "16-mixed", the loss scaler it owns (as Lightning's precision plugin
+owns its GradScaler): the step asks the policy for the loss scale and whether a step is skipped, and never for a
+scaler. Sharded strategies (ZeRO) read ``compute_dtype`` to keep low-precision working parameters beside fp32
+master shards. ``dtype_named`` checks every dtype option (``reduce_dtype``) in one place.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -16,6 +19,15 @@ from lightning_utilities.core.apply_func import apply_to_collection
 PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
 DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
                "fp16": torch.float16, "float16": torch.float16}  # what options such as ``reduce_dtype`` accept
+
+
+def dtype_named(name: str | None, option: str) -> torch.dtype | None:
+    """The dtype ``name`` means (None stays None: the policy's default), or a ValueError naming ``option``."""
+    if name is None:
+        return None
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"{option} must be one of {sorted(DTYPE_NAMES)}; got {name!r}.")
+    return DTYPE_NAMES[name]
 
 
 @dataclass(frozen=True)
@@ -27,27 +39,48 @@ class Precision:
         param_dtype: dtype the model's parameters (and so the optimizer state) are stored in.
         compute_dtype: dtype the forward pass runs in under autocast; ``None`` means no autocast.
         loss_scaling: scale the loss dynamically so fp16 gradients do not underflow.
+        scaler: the loss scaler of a policy with ``loss_scaling`` (its state is the run's: checkpointed).
     """
 
     name: str
     param_dtype: torch.dtype
     compute_dtype: torch.dtype | None
     loss_scaling: bool
+    scaler: DynamicLossScaler | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def from_name(cls, name: str | int) -> Precision:
+    def from_name(cls, name: str | int, scaler: DynamicLossScaler | None = None) -> Precision:
+        """The policy ``name`` names; "16-mixed" with ``scaler`` (default: a new ``DynamicLossScaler``)."""
         name = str(name)
         aliases = {"32-true": "32", "fp32": "32", "bf16": "bf16-mixed", "16": "16-mixed"}
         name = aliases.get(name, name)
+        if scaler is not None and name != "16-mixed":
+            raise ValueError(f"Precision {name!r} scales no loss; a loss scaler goes with '16-mixed' only.")
         if name == "32":
             return cls(name, torch.float32, None, False)
         if name == "bf16-mixed":
             return cls(name, torch.float32, torch.bfloat16, False)
         if name == "16-mixed":
-            return cls(name, torch.float32, torch.float16, True)
+            return cls(name, torch.float32, torch.float16, True, scaler or DynamicLossScaler())
         if name == "bf16-true":
             return cls(name, torch.bfloat16, None, False)
         raise ValueError(f"Unknown precision {name!r}; choose one of {', '.join(PRECISIONS)}.")
+
+    @property
+    def loss_scale(self) -> float:
+        """What the loss is multiplied by before backward (1 without loss scaling); gradients are divided by it."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def skips_step(self, global_norm: Callable[[], torch.Tensor]) -> tuple[bool, torch.Tensor | None]:
+        """Whether this step is skipped, and the norm it was decided on: under loss scaling the step is skipped when
+        the global gradient norm (the same on every rank) is not finite, and the scale backs off or grows; other
+        policies skip nothing and compute no norm."""
+        if self.scaler is None:
+            return False, None
+        norm = global_norm()
+        skip = not bool(torch.isfinite(norm))
+        self.scaler.update(found_inf=skip)
+        return skip, norm
 
     @property
     def mixed(self) -> bool:

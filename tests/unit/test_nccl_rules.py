@@ -26,7 +26,7 @@ from tests.simworld import META, RuleViolation, SimWorld, on_device
 from trainkit.demo.gpt import DemoGPT
 from trainkit.dispatch import HookDispatch
 from trainkit.step import OptimizerStep, StepConfig
-from trainkit_strategies import DynamicLossScaler, Environment, Precision, RunsSchedule, ShardedInit, get_strategy
+from trainkit_strategies import Environment, Precision, RunsSchedule, ShardedInit, get_strategy
 from trainkit_strategies.comm import Comm
 
 DIM = 8
@@ -112,8 +112,7 @@ def train(world: SimWorld, rank: int, name: str, options: dict, make: Any, preci
     optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
     policy = Precision.from_name(precision)
     strategy.setup(module, optimizer, policy)
-    scaler = DynamicLossScaler() if policy.loss_scaling else None
-    step = OptimizerStep(strategy, StepConfig(accumulate, clip, algorithm), scaler, HookDispatch(None, module))
+    step = OptimizerStep(strategy, StepConfig(accumulate, clip, algorithm), policy, HookDispatch(None, module))
     batch = tuple(t.to(META) for t in batch_for(module))
     for _ in range(steps):
         for i in range(accumulate):

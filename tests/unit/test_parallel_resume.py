@@ -62,7 +62,8 @@ def run(layout: str, steps: list[int], load: Path | None, save: Path | None) -> 
         strategy.setup(module, module.configure_optimizers()["optimizer"], Precision.from_name("32"))
         if load is not None:
             strategy.load_state(ckpt.CheckpointReader(load), ckpt.read_meta(load)["optimizer"]["param_groups"])
-        step = OptimizerStep(strategy, StepConfig(1, gradient_clip_val=0.05), None, HookDispatch(None, module))
+        step = OptimizerStep(strategy, StepConfig(1, gradient_clip_val=0.05), Precision.from_name("32"),
+                             HookDispatch(None, module))
         for t in steps:
             x, y = data[t]
             replica, replicas = strategy.dp_rank, strategy.dp_size

@@ -82,7 +82,7 @@ def run(name: str, world_size: int, steps: list[int], load: Path | None, save: P
         if load is not None:
             meta = ckpt.read_meta(load)
             strategy.load_state(ckpt.CheckpointReader(load), meta["optimizer"]["param_groups"])
-        step = OptimizerStep(strategy, StepConfig(1), None, HookDispatch(None, module))
+        step = OptimizerStep(strategy, StepConfig(1), Precision.from_name("32"), HookDispatch(None, module))
         for t in steps:
             x, y = data[t]
             replica, replicas = strategy.dp_rank, strategy.dp_size

@@ -82,8 +82,9 @@ def test_the_step_after_an_overflow_skip_is_whole(name, options, optimizer, lr):
         strategy = get_strategy(name, **options)
         strategy.setup_environment(Environment(rank=r, world_size=2), comm=world.comm(r))
         net = nets[r]
-        strategy.setup(net, optimizer(net.parameters(), lr=lr), Precision.from_name("16-mixed"))
-        step = OptimizerStep(strategy, StepConfig(2), DynamicLossScaler(init_scale=8.0), HookDispatch(None, net))
+        policy = Precision.from_name("16-mixed", DynamicLossScaler(init_scale=8.0))
+        strategy.setup(net, optimizer(net.parameters(), lr=lr), policy)
+        step = OptimizerStep(strategy, StepConfig(2), policy, HookDispatch(None, net))
         params, stepped = [], []
         for w, window in enumerate(data):
             for m, (x, y) in enumerate(window):

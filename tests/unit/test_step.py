@@ -50,9 +50,10 @@ def runner(module: nn.Module, k: int, clip: float | None = None, algorithm: str 
            callbacks: tuple[Callback, ...] = ()) -> OptimizerStep:
     strategy = get_strategy("single")
     strategy.setup_environment(Environment())
-    strategy.setup(module, torch.optim.SGD(module.parameters(), lr=1.0), Precision.from_name(precision))
+    policy = Precision.from_name(precision, scaler)
+    strategy.setup(module, torch.optim.SGD(module.parameters(), lr=1.0), policy)
     hooks = HookDispatch(None, module, callbacks)
-    return OptimizerStep(strategy, StepConfig(k, clip, algorithm), scaler, hooks)
+    return OptimizerStep(strategy, StepConfig(k, clip, algorithm), policy, hooks)
 
 
 def applied_update(module: nn.Module, before: nn.Module) -> torch.Tensor:
@@ -182,5 +183,5 @@ def test_the_forward_path_is_chosen_once():
     assert plain._forward_backward.__func__ is OptimizerStep._training_step
     pipeline = get_strategy("pipeline")
     pipeline.setup_environment(Environment())
-    scheduled = OptimizerStep(pipeline, StepConfig(), None, HookDispatch(None))
+    scheduled = OptimizerStep(pipeline, StepConfig(), Precision.from_name("32"), HookDispatch(None))
     assert scheduled._forward_backward.__func__ is OptimizerStep._scheduled

@@ -45,7 +45,7 @@ from trainkit_strategies.flat import BucketReducer, FlatBucket, OrderedLauncher,
 from trainkit_strategies.hostcopy import mark
 from trainkit_strategies.master import DeferredGradScale, MasterShards
 from trainkit_strategies.memory import MemoryReport
-from trainkit_strategies.precision import DTYPE_NAMES, Precision
+from trainkit_strategies.precision import Precision, dtype_named
 
 
 class ZeroStrategy(DeferredGradScale, Strategy):
@@ -74,8 +74,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
             raise ValueError(f"{self.name} bucket_mb must be positive; got {bucket_mb}.")
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"{self.name} ratio must be in [0, 1]; got {ratio}.")
-        if reduce_dtype is not None and reduce_dtype not in DTYPE_NAMES:
-            raise ValueError(f"{self.name} reduce_dtype must be one of {sorted(DTYPE_NAMES)}; got {reduce_dtype!r}.")
+        self._reduce_dtype = dtype_named(reduce_dtype, f"{self.name} reduce_dtype")
         self.bucket_mb, self.offload, self.ratio, self.reduce_dtype = bucket_mb, offload, ratio, reduce_dtype
         self.buckets: list[FlatBucket] = []  # every bucket, in launch order
         self.grads: GradientLayout = self._layout()
@@ -98,7 +97,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
     @property
     def grad_dtype(self) -> torch.dtype:
         """The dtype gradients are reduce-scattered and kept in (``reduce_dtype``, default the compute dtype)."""
-        return DTYPE_NAMES[self.reduce_dtype] if self.reduce_dtype else self.precision.working_dtype
+        return self._reduce_dtype or self.precision.working_dtype
 
     @property
     def syncing(self) -> bool:

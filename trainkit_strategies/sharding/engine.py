@@ -42,7 +42,7 @@ from trainkit_strategies.comm import Comm
 from trainkit_strategies.flat import BucketReducer, FlatBucket, OrderedLauncher
 from trainkit_strategies.master import DeferredGradScale, MasterShards
 from trainkit_strategies.memory import MemoryReport
-from trainkit_strategies.precision import DTYPE_NAMES, Precision
+from trainkit_strategies.precision import Precision, dtype_named
 from trainkit_strategies.sharding.deferred import InitRecorder, Replayer
 from trainkit_strategies.sharding.materialise import materialise_meta
 from trainkit_strategies.sharding.units import ShardedBucket, Unit, assign_units
@@ -76,8 +76,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         self.broadcast_buffers = broadcast_buffers
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"{self.name} ratio must be in [0, 1]; got {ratio}.")
-        if reduce_dtype is not None and reduce_dtype not in DTYPE_NAMES:
-            raise ValueError(f"{self.name} reduce_dtype must be one of {sorted(DTYPE_NAMES)}; got {reduce_dtype!r}.")
+        self._reduce_dtype = dtype_named(reduce_dtype, f"{self.name} reduce_dtype")
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.offload, self.ratio, self.reduce_dtype = offload, ratio, reduce_dtype
         self.units: list[Unit] = []
@@ -110,7 +109,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
     # -- setup ---------------------------------------------------------------------------------------
     @property
     def grad_dtype(self) -> torch.dtype:
-        return DTYPE_NAMES[self.reduce_dtype] if self.reduce_dtype else self.precision.working_dtype
+        return self._reduce_dtype or self.precision.working_dtype
 
     def init_context(self) -> contextlib.AbstractContextManager:
         return self._recording()
