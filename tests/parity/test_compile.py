@@ -5,12 +5,19 @@ first optimizer step (a recompilation per step would show here)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 
 from tests.helpers import accelerator_for
 from tests.parity.harness import Case, assert_parity, run_case, run_reference, run_world
 
-pytestmark = pytest.mark.slow  # processes of their own, and inductor's compilation (see conftest.py)
+pytestmark = [
+    pytest.mark.slow,  # processes of their own, and inductor's compilation (see conftest.py)
+    pytest.mark.skipif(not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")),
+                       reason="inductor compiles C++ for the CPU: this machine has no C++ compiler (set CXX)"),
+]
 
 LAYOUTS = {"ddp": ("ddp", {}), "zero2": ("zero2", {}), "fsdp": ("fsdp", {}), "tp2": ("parallel", {"tp": 2}),
            "pipeline": ("pipeline", {"stages": 2})}
