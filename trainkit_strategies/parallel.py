@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
 from trainkit_strategies.base import Strategy
-from trainkit_strategies.capabilities import Parallelizes, check_optimizer
+from trainkit_strategies.capabilities import Parallelizes
 from trainkit_strategies.comm import Comm
 from trainkit_strategies.context.ring import METHODS, ContextParallel, context_parallel, shard_sequence
 from trainkit_strategies.environment import Environment
@@ -201,13 +201,10 @@ class ParallelStrategy(Wrapper, Parallelizes):
     def setup(self, module: nn.Module, optimizer: Optimizer | None, precision: Precision) -> None:
         """The engine on ``module`` (the model ``parallelize`` transformed, or a pipeline stage of it; a module no
         one parallelized is parallelized first)."""
-        check_optimizer(self, optimizer)
         if not self._parallelized:
             self.parallelize(module)
-        self.module, self.optimizer, self.precision = module, optimizer, precision
+        self._bind(module, optimizer, precision)
         names = st.param_names(module)
-        if optimizer is not None:
-            self._group_names = st.group_names_of(optimizer, names)
         self._whole_shapes = {n: self._whole_shape.get(p, tuple(p.shape)) for p, n in names.items()}
         self._strided = {names[p]: st.Strided(*split.strides(self._whole_shapes[names[p]], self.tp_rank))
                          for p, split in self.applied.splits.items() if p in names}

@@ -40,7 +40,7 @@ from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
 from trainkit_strategies.base import Strategy
-from trainkit_strategies.capabilities import RunsSchedule, check_optimizer
+from trainkit_strategies.capabilities import RunsSchedule
 from trainkit_strategies.comm import Comm, Handle
 from trainkit_strategies.environment import Environment
 from trainkit_strategies.layout import AXES, Layout, Mesh
@@ -180,12 +180,9 @@ class PipelineStrategy(Wrapper, RunsSchedule):
                 "pipeline_layers() -> the ordered layers whose composition is the model, and "
                 "pipeline_loss(output, batch) -> the loss on the last layer's output. See docs/strategies.md."
             )
-        check_optimizer(self, optimizer)
-        self.module, self.optimizer, self.precision = module, optimizer, precision
+        self._bind(module, optimizer, precision)
         layers = list(module.pipeline_layers())
         names = st.param_names(module)
-        if optimizer is not None:
-            self._group_names = st.group_names_of(optimizer, names)
         self._shapes, _ = self._whole_state(skip=set())
         self._shapes |= {n: self._shape(q) for q, n in names.items()}
         p, v = self.stages, self.virtual_stages

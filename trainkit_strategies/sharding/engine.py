@@ -37,7 +37,7 @@ from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
 from trainkit_strategies.base import Strategy
-from trainkit_strategies.capabilities import ShardedInit, check_optimizer
+from trainkit_strategies.capabilities import ShardedInit
 from trainkit_strategies.comm import Comm
 from trainkit_strategies.flat import BucketReducer, FlatBucket, OrderedLauncher
 from trainkit_strategies.master import DeferredGradScale, MasterShards
@@ -122,11 +122,8 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         self._replayer = Replayer(recorder)
 
     def setup(self, module: nn.Module, optimizer: Optimizer | None, precision: Precision) -> None:
-        check_optimizer(self, optimizer)
-        self.module, self.optimizer, self.precision = module, optimizer, precision
+        self._bind(module, optimizer, precision)
         names = st.param_names(module)
-        if optimizer is not None:
-            self._group_names = st.group_names_of(optimizer, names)
         trainable = {n for p, n in names.items() if p.requires_grad}
         group_of = {n: g for g, group in enumerate(self._group_names) for n in group if n in trainable}
         groups = len(self._group_names) + 1  # the last holds parameters the optimizer does not train
