@@ -140,7 +140,9 @@ class OptimizerStep:
         if self.items_norm is None:
             self.items_norm = self._first_norm(n)
         self._count = self._count + n
-        weight: Any = n / self.items_norm * self.precision.loss_scale
+        weight: Any = n / self.items_norm
+        if self.precision.loss_scaling:
+            weight = weight * self.precision.loss_scale
         for fn in self.hooks.fns("on_before_backward"):
             fn(loss)
         if self._boundary and self._steps_early:
@@ -225,7 +227,7 @@ class OptimizerStep:
             scale: Any = (self.items_norm / total.clamp(min=1)).float()
         else:  # one rank, or as many samples on every rank that counts items
             scale = self.items_norm / max(float(count) * strategy.item_ranks, 1.0)
-        return scale / self.precision.loss_scale
+        return scale / self.precision.loss_scale if self.precision.loss_scaling else scale
 
     def step_scheduler(self, interval: str, count: int, metrics: Callable[[], dict[str, float]]) -> None:
         """Step the LR scheduler if it runs on this ``interval`` ("step" or "epoch") and ``count`` hits its

@@ -203,10 +203,6 @@ class DDPStrategy(Strategy):
             self.compressor.exchange([bucket.buffer for bucket in self._buckets], self.comm)
         if self.compressor is not None:
             self.compressor.steps += 1
-        unused_anywhere = set(globally_unused)
-        for p, slot in self._slots.items():  # unused here, used elsewhere: the sum of the others' gradients
-            if not slot.used and p not in unused_anywhere:
-                p.grad = slot.view
         apply_scale = not (isinstance(scale, float | int) and scale == 1.0)
         for bucket in self._buckets:
             if bucket.handle is not None:
@@ -214,7 +210,10 @@ class DDPStrategy(Strategy):
             bucket.handle = None
             if apply_scale:
                 bucket.buffer.mul_(scale)
-        for slot in self._slots.values():
+        unused_anywhere = set(globally_unused)
+        for p, slot in self._slots.items():
+            if not slot.used and p not in unused_anywhere:  # unused here, used elsewhere: the others' sum
+                p.grad = slot.view
             slot.used = False
         self._launcher.reset()
         for p in globally_unused:
