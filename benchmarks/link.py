@@ -89,7 +89,7 @@ def pipeline_variant(options: dict, env: Environment, shape: tuple[int, int, int
     strategy.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-4), Precision.from_name("32"))
 
     def step() -> None:
-        strategy.run_schedule(module, (x, x), 1.0)
+        strategy.pipeline.run_schedule(module, (x, x), 1.0)
         strategy.reduce_gradients(1.0 / (x.shape[0] * env.world_size // 2))  # samples of the global batch
         strategy.optimizer_step()
         strategy.zero_grad()

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from ranks import run_ranks
 from torch import nn
 
-from trainkit_strategies import Environment, Precision, get_strategy
+from trainkit_strategies import Environment, Precision, RunsSchedule, capability, get_strategy
 from trainkit_strategies.comm import Comm
 from trainkit_strategies.pipeline.schedules import SCHEDULES, simulate
 
@@ -70,7 +70,7 @@ def trainkit_variant(schedule: str, chunks: int, env: Environment, shape: tuple[
     strategy.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-4), Precision.from_name("32"))
 
     def step() -> None:
-        strategy.run_schedule(module, (x, x), 1.0)
+        strategy.pipeline.run_schedule(module, (x, x), 1.0)
         strategy.reduce_gradients(1.0 / x.shape[0])
         strategy.optimizer_step()
         strategy.zero_grad()
@@ -142,7 +142,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
                 step()
                 schedule = name.removeprefix("trainkit ")
                 if schedule in strategies:
-                    spent = strategies[schedule].idle  # type: ignore[attr-defined]
+                    spent = capability(strategies[schedule], RunsSchedule).idle  # type: ignore[union-attr]
                     idle[schedule].append(spent["wait_s"] / spent["schedule_s"])
             dist.barrier()
             times[name].append((time.perf_counter() - start) / args.steps)

@@ -142,7 +142,7 @@ def trainkit_pipeline_variant(schedule: str, env: Environment, shape: tuple[int,
     strategy.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-4), Precision.from_name("32"))
 
     def step() -> None:
-        strategy.run_schedule(module, (x, x), 1.0)  # every sample's loss weighted 1, normalised below
+        strategy.pipeline.run_schedule(module, (x, x), 1.0)  # every sample's loss weighted 1, normalised below
         strategy.reduce_gradients(1.0 / x.shape[0])
         strategy.optimizer_step()
         strategy.zero_grad()

@@ -34,7 +34,15 @@ from torch.optim import Optimizer
 from trainkit.activation import apply_activation_checkpointing
 from trainkit.optim import parse_optimizers
 from trainkit.step import unpack_output
-from trainkit_strategies import ActivationMeter, Environment, Precision, RunsSchedule, Strategy, get_strategy
+from trainkit_strategies import (
+    ActivationMeter,
+    Environment,
+    Precision,
+    RunsSchedule,
+    Strategy,
+    capability,
+    get_strategy,
+)
 from trainkit_strategies.memory import LiveBytes
 from trainkit_strategies.plan_comm import PlanComm
 from trainkit_strategies.sharding.units import repeated_layers
@@ -266,12 +274,13 @@ def _one_step(strategy: Any, model: nn.Module, module: nn.Module, batch: Any, pr
               trace_on: str, crossing: dict | None) -> None:
     meta_batch = None if batch is None else \
         precision.convert_input(apply_to_collection(batch, torch.Tensor, lambda t: t.to(META)))
-    if isinstance(strategy, RunsSchedule) and meta_batch is not None:
+    schedule = capability(strategy, RunsSchedule)
+    if schedule is not None and meta_batch is not None:
         if crossing is None:
             crossing = _crossing(strategy, module, batch, precision, trace_on)
-        strategy.expect(crossing)
-        strategy.run_schedule(model, meta_batch, 1.0)
-    elif meta_batch is not None and not isinstance(strategy, RunsSchedule):
+        schedule.expect(crossing)
+        schedule.run_schedule(model, meta_batch, 1.0)
+    elif meta_batch is not None and schedule is None:
         with strategy.forward_context():
             loss, _ = unpack_output(model.training_step(meta_batch, 0))
         if loss is not None:
@@ -300,7 +309,7 @@ def _crossing(strategy: Any, module: nn.Module, batch: Any, precision: Precision
         fake = precision.convert_input(
             apply_to_collection(batch, torch.Tensor, lambda t: mode.from_tensor(t.to(trace_on))))
         with torch.no_grad(), precision.forward_context(torch.device(trace_on)):
-            return strategy.crossing(full, fake)
+            return capability(strategy, RunsSchedule).crossing(full, fake)
 
 
 def estimate(module: nn.Module, batch: Any, world_size: int = 1, precision: str = "32",
@@ -400,7 +409,7 @@ def _heaviest(strategy: Strategy, module: nn.Module, precision: Precision, world
     planned, ranks = strategy.planned(module, world_size)
     args = (module, precision, world_size)
     crossing = None
-    if isinstance(planned, RunsSchedule) and batch is not None:  # each stage's parameters in its compute dtypes
+    if capability(planned, RunsSchedule) is not None and batch is not None:  # stages' parameters in compute dtypes
         stages = [_setup(planned, *args, r, None, device_type, trace_on, None, devices_per_node)[0] for r in ranks]
         built = {n: p.dtype for n, p in module.named_parameters()}
         dtypes = dict(built)

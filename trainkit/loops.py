@@ -23,7 +23,7 @@ from trainkit.module import TrainModule
 from trainkit.results import Results
 from trainkit.seed import set_rng_state
 from trainkit.step import OptimizerStep
-from trainkit_strategies import RunsSchedule, Strategy
+from trainkit_strategies import RunsSchedule, Strategy, capability
 
 Emit = Callable[[dict[str, float]], None]  # metrics to every logger, at the current global step
 
@@ -78,7 +78,8 @@ def has_validation(module: nn.Module, strategy: Strategy) -> bool:
     """Whether validation runs: the module overrides ``validation_step``, or the strategy's schedule says
     it evaluates this module another way."""
     overrides = type(module).validation_step is not TrainModule.validation_step
-    return strategy.evaluates(module, overrides) if isinstance(strategy, RunsSchedule) else overrides
+    schedule = capability(strategy, RunsSchedule)
+    return schedule.evaluates(module, overrides) if schedule is not None else overrides
 
 
 def _iterate(loader: Iterable[Any], epoch: int, seed: int, skip_batches: int) -> Iterator[Any]:
@@ -114,7 +115,8 @@ class EvalLoop:
         self.config, self.strategy, self.hooks, self.results, self.data, self.emit = (
             config, strategy, hooks, results, data, emit)
         self.sanity_checking = False  # True while the sanity validation before training runs
-        self._evaluate = self._scheduled if isinstance(strategy, RunsSchedule) else self._step
+        self._schedule = capability(strategy, RunsSchedule)
+        self._evaluate = self._step if self._schedule is None else self._scheduled
 
     def _batches(self, loaders: Sequence[DataLoader], limit: int | float | None) -> Iterator[tuple[int, int, Any]]:
         moves = self.data.moves_batches
@@ -168,14 +170,14 @@ class EvalLoop:
 
     def _scheduled(self, module: nn.Module, fn: str, batch: Any, batch_idx: int, dl_idx: int | None) -> Any:
         """A schedule-running strategy evaluates the batch itself: metrics identical on its ranks, logged by all."""
-        assert isinstance(self.strategy, RunsSchedule)
-        metrics = self.strategy.eval_schedule(module, batch, batch_idx, fn)
+        assert self._schedule is not None
+        metrics = self._schedule.eval_schedule(module, batch, batch_idx, fn)
         for name, value in (metrics or {}).items():
             self.results.log(name, value, prog_bar=True, on_step=False, on_epoch=True, sync_dist=True)
         return metrics
 
     def predict(self, module: nn.Module, loaders: Sequence[DataLoader], limit: int | float | None) -> list[Any]:
-        if isinstance(self.strategy, RunsSchedule):
+        if self._schedule is not None:
             raise ValueError(f"predict is not supported under strategy {self.strategy.name!r}; load the "
                              "checkpoint with strategy 'single' or 'ddp' to predict.")
         module.eval()

@@ -43,7 +43,7 @@ from trainkit.dispatch import HookDispatch
 from trainkit.hooks import StepTiming
 from trainkit.optim import OptimizerConfig
 from trainkit.utils import infer_batch_size
-from trainkit_strategies import Precision, RunsSchedule, StepsInBackward, Strategy
+from trainkit_strategies import Precision, RunsSchedule, StepsInBackward, Strategy, capability
 
 
 @dataclass(frozen=True)
@@ -102,9 +102,10 @@ class OptimizerStep:
         self._boundary = False  # the micro-batch running is its window's last
         self._early_scale: Any = None  # the window's scale, when the strategy took it to step during backward
         # a strategy may step during the window's last backward when nothing needs the gradients before the step
-        self._steps_early = (isinstance(strategy, StepsInBackward) and not precision.loss_scaling
+        self._steps_early = (capability(strategy, StepsInBackward) is not None and not precision.loss_scaling
                              and config.gradient_clip_val is None and not hooks.fns("on_before_optimizer_step"))
-        self._forward_backward = self._scheduled if isinstance(strategy, RunsSchedule) else self._training_step
+        self._schedule = capability(strategy, RunsSchedule)  # a pipeline's: forward and backward of a whole batch
+        self._forward_backward = self._training_step if self._schedule is None else self._scheduled
 
     # -- micro-batches -------------------------------------------------------------------------------
     def micro_step(self, module: nn.Module, batch: Any, batch_idx: int, boundary: bool) -> Any:
@@ -165,13 +166,12 @@ class OptimizerStep:
         return max(float(n), 1.0) * self.k
 
     def _scheduled(self, module: nn.Module, batch: Any, batch_idx: int) -> Any:
-        strategy = self.strategy
-        assert isinstance(strategy, RunsSchedule)
+        assert self._schedule is not None
         if self.window == 0:
             self._item_weighted = True
         self.items_norm = float(self.k)
         weight = self.precision.loss_scale / self.k
-        loss, items = strategy.run_schedule(module, batch, weight)
+        loss, items = self._schedule.run_schedule(module, batch, weight)
         for fn in self.hooks.fns("on_after_backward"):
             fn()
         self._count = self._count + items

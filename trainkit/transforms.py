@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from trainkit.activation import apply_activation_checkpointing
-from trainkit_strategies import Parallelizes, ShardedInit, Strategy
+from trainkit_strategies import Parallelizes, ShardedInit, Strategy, capability
 from trainkit_strategies.sharding.units import repeated_layers
 from trainkit_strategies.tensor.regions import run_eagerly_under_compile
 
@@ -32,7 +32,8 @@ from trainkit_strategies.tensor.regions import run_eagerly_under_compile
 def build(module: Any, strategy: Strategy, activation_checkpointing: Any = None, every: int = 1,
           compile: bool = False) -> None:
     """Steps 1-4 above on a TrainModule: its layers built, then transformed; ``strategy.setup`` is step 5."""
-    with strategy.init_context() if isinstance(strategy, ShardedInit) else nullcontext():
+    sharded = capability(strategy, ShardedInit)
+    with sharded.init_context() if sharded is not None else nullcontext():
         module.configure_model()
     parallelize(module, strategy, activation_checkpointing, every, compile)
 
@@ -40,8 +41,9 @@ def build(module: Any, strategy: Strategy, activation_checkpointing: Any = None,
 def parallelize(module: nn.Module, strategy: Strategy, activation_checkpointing: Any = None, every: int = 1,
                 compile: bool = False) -> None:
     """Steps 2-4: tensor parallelism (where the strategy has an axis for it), activation checkpointing, compilation."""
-    if isinstance(strategy, Parallelizes):
-        strategy.parallelize(module)
+    parallelizes = capability(strategy, Parallelizes)
+    if parallelizes is not None:
+        parallelizes.parallelize(module)
     if activation_checkpointing:
         apply_activation_checkpointing(module, activation_checkpointing, every=every)
     if compile:

@@ -1,7 +1,14 @@
 """trainkit's distributed strategies, on torch.distributed collectives. Never imports trainkit."""
 
 from trainkit_strategies.base import Strategy
-from trainkit_strategies.capabilities import Parallelizes, RunsSchedule, SelfReducing, ShardedInit, StepsInBackward
+from trainkit_strategies.capabilities import (
+    Parallelizes,
+    RunsSchedule,
+    SelfReducing,
+    ShardedInit,
+    StepsInBackward,
+    capability,
+)
 from trainkit_strategies.data_parallel.single import SingleStrategy
 from trainkit_strategies.environment import Environment
 from trainkit_strategies.memory import ActivationMeter, MemoryReport
@@ -22,6 +29,7 @@ __all__ = [
     "StepsInBackward",
     "Strategy",
     "available",
+    "capability",
     "get_strategy",
     "strategy_class",
 ]

@@ -48,6 +48,8 @@ class Strategy(ABC):
     broadcast_buffers = True  # data-parallel strategies overwrite replicas' float buffers with rank 0's
     accepts_self_reducing: ClassVar[bool] = False  # runs optimizers that average across ranks themselves
     data_axis: ClassVar[str] = "dp_replicate"  # the layout axis its ranks form: replicas, or "dp_shard" (shards)
+    hybrid: ClassVar[bool] = False  # its shards can be replicated (setup_environment's replicas: HSDP) and its group
+    # can hold context-parallel ranks (gradients summed over a sequence's chunks)
     splits_backward: ClassVar[bool] = True  # a backward may leave its weight gradients to a later pass (zero bubble)
 
     def __init__(self) -> None:
@@ -58,6 +60,12 @@ class Strategy(ABC):
         self.precision = Precision.from_name("32")
         self._group_names: list[list[str]] = []
         self._syncing = True
+
+    def ability(self, kind: type) -> Any:
+        """What gives this strategy the capability ``kind`` (an interface of ``capabilities.py``): the strategy itself
+        where it implements it, a part it is composed of (a layout's pipeline runs the schedules), or None. Callers
+        use ``capabilities.capability``."""
+        return self if isinstance(self, kind) else None
 
     # -- environment -------------------------------------------------------------------------------
     def setup_environment(self, env: Environment, comm: Comm | None = None) -> None:
@@ -104,12 +112,6 @@ class Strategy(ABC):
         """What of ``batch`` this rank computes on (the whole batch; under context parallelism its slice of every
         sequence). The loops call it before ``training_step``, ``validation_step`` and ``test_step``."""
         return batch
-
-    @property
-    def counts_items(self) -> bool:
-        """Whether this rank's samples count towards the global total (tensor-parallel ranks see the same samples
-        as another rank of their group, which alone counts them)."""
-        return True
 
     # -- model and optimizer -----------------------------------------------------------------------
     def setup(self, module: nn.Module, optimizer: Optimizer | None, precision: Precision) -> None:

@@ -1,11 +1,11 @@
 """Optional abilities of a strategy (or of an optimizer under one), each a small interface of its own: callers ask
-``isinstance(strategy, Capability)``, never for a concrete strategy class."""
+``capability(strategy, Capability)`` (the object that has it, or None), never for a concrete strategy class."""
 
 from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -14,6 +14,16 @@ from trainkit_strategies.comm import Comm
 
 if TYPE_CHECKING:
     from trainkit_strategies.base import Strategy
+
+C = TypeVar("C")
+
+
+def capability(strategy: Strategy, kind: type[C]) -> C | None:
+    """The object that gives ``strategy`` the ability ``kind``: the strategy itself, a part it composes (a layout's
+    pipeline), or None where it has not. A layout decides at construction what it can do, so a strategy need not be
+    a subclass of every interface one of its layouts implements."""
+    found = strategy.ability(kind)
+    return found if isinstance(found, kind) else None
 
 
 class SelfReducing(ABC):
@@ -105,3 +115,12 @@ class RunsSchedule(ABC):
     def evaluates(self, module: nn.Module, has_validation_step: bool) -> bool:
         """Whether validation runs for ``module`` under this schedule (``has_validation_step``: the module
         overrides ``validation_step``)."""
+
+    @abstractmethod
+    def crossing(self, module: nn.Module, batch: Any) -> dict[int, dict[tuple, tuple[tuple[int, ...], Any]]]:
+        """For planning: the shape and dtype of what crosses each boundary of the schedule for ``batch``, traced on
+        ``module`` (a whole copy of the model)."""
+
+    @abstractmethod
+    def expect(self, crossing: dict[int, dict[tuple, tuple[tuple[int, ...], Any]]]) -> None:
+        """For planning a rank alone: take ``crossing`` as the shapes its peers would have announced."""

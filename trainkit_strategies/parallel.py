@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 from collections.abc import Collection, Iterator
 from typing import Any
 
@@ -33,25 +34,34 @@ from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
 from trainkit_strategies.base import Strategy
-from trainkit_strategies.capabilities import Parallelizes
+from trainkit_strategies.capabilities import Parallelizes, RunsSchedule
 from trainkit_strategies.comm import Comm
 from trainkit_strategies.context.ring import METHODS, ContextParallel, context_parallel, shard_sequence
 from trainkit_strategies.environment import Environment
 from trainkit_strategies.layout import Layout, Mesh
 from trainkit_strategies.norms import combine_norm
-from trainkit_strategies.pipeline.executor import PipelineStrategy
+from trainkit_strategies.pipeline.executor import STAGE_AXES, Pipeline, check_schedule
+from trainkit_strategies.pipeline.microbatches import missing_hooks
 from trainkit_strategies.plan_comm import PlanComm
 from trainkit_strategies.precision import Precision, dtype_named
-from trainkit_strategies.registry import get_strategy
+from trainkit_strategies.registry import get_strategy, strategy_class
+from trainkit_strategies.tensor.layers import Split
 from trainkit_strategies.tensor.plan import Applied, apply_plan
 from trainkit_strategies.wrapper import Wrapper
 
-AXES_USED = [("tp",), ("dp_shard", "cp"), ("dp_replicate",), ("dp_replicate", "dp_shard", "cp")]
+AXES_USED = [("tp",), ("dp_shard", "cp"), ("dp_replicate",), ("dp_replicate", "dp_shard", "cp"),
+             ("pp", "dp_replicate", "dp_shard", "cp")]
+ENGINES = ("ddp", "zero1", "zero2", "fsdp")
 
 
 class ParallelStrategy(Wrapper, Parallelizes):
-    """Several parallelisms at once. From the command line: ``--trainer.strategy parallel --trainer.strategy.tp 2
-    --trainer.strategy.dp_shard 2``.
+    """Several parallelisms at once, on one layout of the ranks: the constructor every composed layout is built by
+    (``pipeline`` is one of its presets). From the command line: ``--trainer.strategy parallel
+    --trainer.strategy.tp 2 --trainer.strategy.dp_shard 2``.
+
+    It nests one strategy: the data-parallel engine of the ranks holding the same slices of a stage (``fsdp``,
+    ``ddp``, ``zero1``, ``zero2`` or ``single``); tensor and context parallelism and the pipeline's stages and
+    schedule are parts of this one (``tensor/``, ``context/``, ``pipeline/executor.py``).
 
     Args:
         tp: tensor-parallel degree: each planned layer split over this many ranks (consecutive ranks: keep them on
@@ -71,39 +81,46 @@ class ParallelStrategy(Wrapper, Parallelizes):
             activations of norms, dropouts and residuals divided by tp; the same bytes communicated).
         microbatches, schedule, virtual_stages, split: the pipeline's, as for ``strategy="pipeline"``.
         reshard_after_forward, prefetch, reduce_dtype: the sharding engine's, as for ``fsdp``.
-        bucket_mb: ddp's bucket size (``dp_replicate`` alone).
+        bucket_mb: the bucket size of ddp and the ZeRO stages.
         tp_across_nodes: allow a tensor-parallel group to span nodes (its all-reduces then cross the network).
+        data_parallel: the engine of the data-parallel axes. Default: ``fsdp`` where parameters are sharded
+            (``dp_shard x cp`` > 1; HSDP with ``dp_replicate``), ``ddp`` where they are only replicated. ``zero1`` or
+            ``zero2`` shard gradients and optimizer state over ``dp_shard`` and keep parameters whole.
     """
 
     name = "parallel"
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        pp = kwargs.get("pp", args[3] if len(args) > 3 else 1)
-        if cls is ParallelStrategy and isinstance(pp, int) and pp > 1:
-            return PipelinedParallel(*args, **kwargs)  # not a ParallelStrategy: this __init__ does not run again
-        return super().__new__(cls)
 
     def __init__(self, tp: int = 1, dp_shard: int | None = None, dp_replicate: int = 1, pp: int = 1,
                  sequence_parallel: bool = True, microbatches: int = 4, schedule: str = "1f1b",
                  virtual_stages: int = 1, split: list[int] | None = None, reshard_after_forward: bool = True,
                  prefetch: bool = True, reduce_dtype: str | None = None, bucket_mb: float = 25.0,
-                 tp_across_nodes: bool = False, cp: int = 1, cp_method: str = "ring") -> None:
+                 tp_across_nodes: bool = False, cp: int = 1, cp_method: str = "ring",
+                 data_parallel: str | None = None) -> None:
         super().__init__()
         check_degrees(tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, pp=pp, cp=cp)
         if cp_method not in METHODS:
             raise ValueError(f"parallel cp_method must be one of {METHODS}; got {cp_method!r}.")
-        dtype_named(reduce_dtype, "parallel reduce_dtype")  # checked here; the sharding engine uses it
+        if data_parallel is not None and data_parallel not in ENGINES:
+            raise ValueError(f"{self.name} data_parallel must be one of {', '.join(ENGINES)}; got {data_parallel!r}.")
+        if cp > 1 and pp > 1:
+            raise ValueError(f"parallel: cp={cp} with pp={pp} is not supported yet (context parallelism runs with "
+                             "tp, dp_shard and dp_replicate): use pp=1, or cp=1.")
+        dtype_named(reduce_dtype, f"{self.name} reduce_dtype")  # checked here; the sharding engine uses it
         self.tp, self.dp_shard, self.dp_replicate, self.pp = tp, dp_shard, dp_replicate, pp
         self.cp, self.cp_method = cp, cp_method
         self._cp: ContextParallel | None = None
         self.sequence_parallel = sequence_parallel and tp > 1
         self.reshard_after_forward, self.prefetch, self.reduce_dtype = reshard_after_forward, prefetch, reduce_dtype
-        self.bucket_mb, self.tp_across_nodes = bucket_mb, tp_across_nodes
-        self.mesh: Mesh | None = None  # set by a composing pipeline before setup_environment (its stages' groups)
+        self.bucket_mb, self.tp_across_nodes, self.data_parallel = bucket_mb, tp_across_nodes, data_parallel
+        self.pipeline = Pipeline(microbatches, schedule, virtual_stages, split) if pp > 1 else None
+        if self.pipeline is not None and (data_parallel or (dp_shard or 0) > 1):
+            check_schedule(schedule, data_parallel or "fsdp")
+        self.mesh: Mesh | None = None
         self.inner: Strategy = get_strategy("single")
         self.applied = Applied()
         self._replicated: list[Tensor] = []
         self._strided: dict[str, st.Strided] = {}
+        self._split_of: dict[str, Split] = {}  # the engine's parameter names -> how tensor parallelism split them
         self._whole_shapes: dict[str, tuple[int, ...]] = {}
         self._whole_shape: dict[Tensor, tuple[int, ...]] = {}  # by parameter, as parallelize found them
         self._parallelized = False
@@ -116,30 +133,54 @@ class ParallelStrategy(Wrapper, Parallelizes):
 
     def setup_environment(self, env: Environment, comm: Comm | None = None) -> None:
         Strategy.setup_environment(self, env, comm)
-        if self.mesh is None:
-            self.mesh = Mesh(self.layout_for(env.world_size, env.local_world_size), self.comm, AXES_USED)
+        axes = [*AXES_USED, ("pp",), STAGE_AXES] if self.pipeline is not None else AXES_USED
+        self.mesh = Mesh(self.layout_for(env.world_size, env.local_world_size), self.comm, axes)
         self.layout, coords = self.mesh.layout, self.mesh.coords
         self.tp_comm = self.mesh.comm("tp")
         # ranks holding different tokens: counts and metrics are summed over them, gradients too (the sharding
         # engine's group takes in the context-parallel ranks: torchtitan's dp_shard x cp)
         self.dp_comm = self.mesh.comm(("dp_replicate", "dp_shard", "cp"))
+        self.items_comm = self.mesh.comm(("pp", "dp_replicate", "dp_shard", "cp"))  # every rank but tp's peers
         shard, replicate = self.mesh.comm(("dp_shard", "cp")), self.mesh.comm("dp_replicate")
         # attention's traffic rides on the sharding engine's communicator, between the ranks of this cp group
         peers = self.layout.group(self.mesh.world.rank, ("cp",))
         ring = [shard.ranks.index(self.mesh.world.ranks[p]) for p in peers] if self.layout.cp > 1 else None
         self._cp = ContextParallel(shard, self.cp_method, ring) if ring is not None else None
-        if self.layout.dp_shard * self.layout.cp > 1:
-            self.inner = get_strategy("fsdp", reshard_after_forward=self.reshard_after_forward, prefetch=self.prefetch,
-                                      reduce_dtype=self.reduce_dtype)
-            self.inner.replicate = replicate  # type: ignore[attr-defined]  # HSDP: shards all-reduced across replicas
-            group = shard
-        elif self.layout.dp_replicate > 1:
-            self.inner, group = get_strategy("ddp", bucket_mb=self.bucket_mb), replicate
-        else:
-            self.inner, group = get_strategy("single"), shard  # a group of one
         self.tp_rank = coords["tp"]
-        self.inner.setup_environment(
-            dataclasses.replace(env, rank=group.rank, local_rank=group.rank, world_size=group.world_size), comm=group)
+        if self.pipeline is not None:
+            self.pipeline.connect(self.comm, self.mesh, self.device)
+        name, group = self._engine(self.layout)
+        self.inner = self._make_engine(name)
+        local = dataclasses.replace(env, rank=group.rank, local_rank=group.rank, world_size=group.world_size)
+        if replicate.active and self.layout.dp_shard * self.layout.cp > 1:  # HSDP: shards all-reduced across replicas
+            self.inner.setup_environment(local, comm=group, replicas=replicate)  # type: ignore[call-arg]
+        else:
+            self.inner.setup_environment(local, comm=group)
+
+    def _engine(self, layout: Layout) -> tuple[str, Comm]:
+        """The data-parallel engine's name and communicator on ``layout``: ``data_parallel`` (by default fsdp where
+        parameters are sharded, ddp where they are replicated), checked against the axis it runs along."""
+        assert self.mesh is not None
+        sharded = layout.dp_shard * layout.cp > 1
+        if not sharded and layout.dp_replicate == 1:
+            return "single", self.mesh.comm(("dp_shard", "cp"))  # a group of one
+        name = self.data_parallel or ("fsdp" if sharded else "ddp")
+        engine = strategy_class(name)
+        if engine.data_axis != ("dp_shard" if sharded else "dp_replicate") or (
+                sharded and layout.dp_shard < layout.dp_shard * layout.cp * layout.dp_replicate and not engine.hybrid):
+            raise ValueError(f"{self.name}: data_parallel={name!r} cannot run {layout}: ddp replicates (dp_replicate "
+                             "alone), zero1 and zero2 shard over dp_shard alone, fsdp shards over dp_shard x cp and "
+                             "replicates the shards over dp_replicate (HSDP).")
+        if self.pipeline is not None:
+            check_schedule(self.pipeline.schedule, name)
+        return name, self.mesh.comm(("dp_shard", "cp") if sharded else "dp_replicate")
+
+    def _make_engine(self, name: str) -> Strategy:
+        chunks_in_turn = self.pipeline is not None and self.pipeline.virtual_stages > 1  # no one order to prefetch
+        options = dict(bucket_mb=self.bucket_mb, prefetch=self.prefetch and not chunks_in_turn,
+                       reshard_after_forward=self.reshard_after_forward, reduce_dtype=self.reduce_dtype)
+        accepted = inspect.signature(strategy_class(name)).parameters
+        return get_strategy(name, **{k: v for k, v in options.items() if k in accepted})
 
     @property
     def dp_rank(self) -> int:
@@ -166,8 +207,13 @@ class ParallelStrategy(Wrapper, Parallelizes):
         return apply_to_collection(batch, Tensor, lambda t: shard_sequence(t, cp.rank, cp.size) if t.dim() >= 2
                                    else t)
 
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        if self.pipeline is not None:
+            return contextlib.nullcontext()  # the schedule applies the engine's around each stage's forward
+        return self._forward_context()
+
     @contextlib.contextmanager
-    def forward_context(self) -> Iterator[None]:
+    def _forward_context(self) -> Iterator[None]:
         with self.inner.forward_context(), context_parallel(self._cp):  # attention across the cp group, if any
             yield
 
@@ -175,9 +221,11 @@ class ParallelStrategy(Wrapper, Parallelizes):
         with context_parallel(self._cp):  # recomputed blocks (activation checkpointing) attend across the group
             self.inner.backward(loss, gradient)
 
-    @property
-    def counts_items(self) -> bool:
-        return self.tp_rank == 0  # the tensor-parallel ranks of a data-parallel coordinate see the same samples
+    def ability(self, kind: type) -> Any:
+        """Its pipeline runs the schedules (``RunsSchedule``) when it has stages."""
+        if kind is RunsSchedule:
+            return self.pipeline
+        return super().ability(kind)
 
     # -- transforms and setup ------------------------------------------------------------------------
     def parallelize(self, module: nn.Module) -> None:
@@ -199,19 +247,27 @@ class ParallelStrategy(Wrapper, Parallelizes):
         self._parallelized = True
 
     def setup(self, module: nn.Module, optimizer: Optimizer | None, precision: Precision) -> None:
-        """The engine on ``module`` (the model ``parallelize`` transformed, or a pipeline stage of it; a module no
-        one parallelized is parallelized first)."""
+        """The engine on ``module`` (the model ``parallelize`` transformed; a module no one parallelized is
+        parallelized first), or on this rank's stage of it under a pipeline."""
         if not self._parallelized:
             self.parallelize(module)
         self._bind(module, optimizer, precision)
-        names = st.param_names(module)
-        self._whole_shapes = {n: self._whole_shape.get(p, tuple(p.shape)) for p, n in names.items()}
-        self._strided = {names[p]: st.Strided(*split.strides(self._whole_shapes[names[p]], self.tp_rank))
-                         for p, split in self.applied.splits.items() if p in names}
-        self._replicated = [p for p in module.parameters() if p not in self.applied.splits]
+        target = module
+        if self.pipeline is not None:
+            shapes, _ = self._whole_state(skip=set())
+            target = self.pipeline.cut(module, optimizer, self.inner, self.whole_shape, shapes)
+        names = st.param_names(target)
+        self._whole_shapes = {n: self.whole_shape(p) for p, n in names.items()}
+        self._split_of = {names[p]: split for p, split in self.applied.splits.items() if p in names}
+        self._strided = {n: st.Strided(*split.strides(self._whole_shapes[n], self.tp_rank))
+                         for n, split in self._split_of.items()}
+        self._replicated = [p for p in target.parameters() if p not in self.applied.splits]
         if self.tp > 1:
             self.inner.keep_apart(self._replicated)  # summed across tp, counted once
-        self.inner.setup(module, optimizer, precision)
+        self.inner.setup(target, optimizer, precision)
+        if self.pipeline is not None:
+            self._place(module)  # what no stage holds: metric states, say
+            self.pipeline.open_channels()
         self._parallelized = False  # the next module set up is parallelized anew
 
     def whole_shape(self, param: Tensor) -> tuple[int, ...]:
@@ -253,29 +309,46 @@ class ParallelStrategy(Wrapper, Parallelizes):
                 for g in group:
                     g.copy_(flat[offset : offset + g.numel()].view_as(g))
                     offset += g.numel()
+        if self.pipeline is not None:
+            self.pipeline.reduce_tied()
 
     def grad_norm(self, norm_type: float = 2.0, exclude: Collection[Tensor] = ()) -> Tensor:
-        """The inner strategy's norm of this rank's slices (whole parameters counted on tensor-parallel rank 0
-        only), combined across the tensor-parallel group."""
+        """The engine's norm of this rank's slices (whole parameters counted on tensor-parallel rank 0 only, a
+        parameter tied across stages on its first stage), combined across the tensor-parallel group and the stages."""
         others = self._replicated if self.tp_rank != 0 else []
-        return combine_norm(self.inner.grad_norm(norm_type, [*exclude, *others]), norm_type, self.tp_comm)
+        tied = self.pipeline.counted_elsewhere() if self.pipeline is not None else []
+        norm = combine_norm(self.inner.grad_norm(norm_type, [*exclude, *others, *tied]), norm_type, self.tp_comm)
+        return combine_norm(norm, norm_type, self.pipeline.pipe) if self.pipeline is not None else norm
 
     def own_comms(self) -> list[Comm]:
-        return [self.tp_comm, self.dp_comm]
+        return [self.tp_comm, self.dp_comm, *(self.pipeline.own_comms() if self.pipeline is not None else [])]
 
     def comms_by_axis(self) -> dict[str, list[Comm]]:
         assert self.mesh is not None
         axes = {"tp": [self.tp_comm], "dp_shard": [self.mesh.comm(("dp_shard", "cp"))],
                 "dp_replicate": [self.mesh.comm("dp_replicate")]}
+        if self.pipeline is not None:
+            axes["pp"] = [self.comm, *self.pipeline.own_comms()]
         listed = {id(c) for comms in axes.values() for c in comms}
         axes["dp"] = [self.dp_comm, *(c for c in self.inner.comms() if id(c) not in listed)]
         return axes
 
     # -- planning ------------------------------------------------------------------------------------
     def unfit_for(self, module: nn.Module, optimizer: Optimizer | None) -> str | None:
+        missing = missing_hooks(module) if self.pipeline is not None else []
+        if missing:
+            return f"the module has no {' or '.join(f'{m}()' for m in missing)}"
         return unplanned(module, self.tp) or super().unfit_for(module, optimizer)
 
+    def planned(self, module: nn.Module, world_size: int) -> tuple[Strategy, list[int]]:
+        """With stages, the first rank of every stage is planned (each holds other layers)."""
+        if self.pipeline is None:
+            return super().planned(module, world_size)
+        return self, [stage * (world_size // self.pp) for stage in range(self.pp)]
+
     def describe(self) -> str:
+        if self.pipeline is not None:
+            return f"{self.layout}, layers {self.pipeline.stage_sizes}"
         return str(self.layout) + ("" if self.sequence_parallel or self.tp == 1 else ", no sequence parallelism")
 
     def activation_model(self, model: nn.Module, device: torch.device) -> nn.Module:
@@ -283,17 +356,18 @@ class ParallelStrategy(Wrapper, Parallelizes):
 
     # -- metrics ---------------------------------------------------------------------------------------
     def reduce(self, tensor: Tensor, op: str = "mean") -> Tensor:
-        """Across the data-parallel ranks (the tensor-parallel ranks of one hold the same values)."""
-        if not self.dp_comm.active:
+        """Across every rank but a tensor-parallel group's peers, which hold the same values (a pipeline's item counts:
+        every last-stage rank counts its micro-batches' items, summed over the stages and the data-parallel ranks)."""
+        if not self.items_comm.active:
             return tensor
         out = tensor.detach().clone().to(self.device)
-        self.dp_comm.all_reduce(out, "sum" if op == "mean" else op)
-        return out / self.dp_comm.world_size if op == "mean" else out
+        self.items_comm.all_reduce(out, "sum" if op == "mean" else op)
+        return out / self.items_comm.world_size if op == "mean" else out
 
     # -- state -------------------------------------------------------------------------------------
     def state_layout(self) -> st.StateLayout:
-        """The inner strategy's holders with each split parameter's part described (``Strided``) and whole shapes;
-        a part is written by one replica, a whole parameter by tensor-parallel rank 0 of it."""
+        """The engine's holders with each split parameter's part described (``Strided``) and whole shapes (a part
+        written by one replica, a whole parameter by tensor-parallel rank 0 of it), under the module's names."""
         assert self.mesh is not None
         inner = self.inner.state_layout()
         first_replica = self.mesh.coords["dp_replicate"] == 0
@@ -303,26 +377,25 @@ class ParallelStrategy(Wrapper, Parallelizes):
             split = bool(segments) and all(s.strided is not None for s in segments)
             return st.Holder(holder.tensor, segments, holder.write and first_replica and (split or self.tp_rank == 0))
 
-        return st.StateLayout({**inner.shapes, **self._whole_shapes}, [convert(h) for h in inner.model],
-                              inner.optimizer, [convert(h) for h in inner.optimizer_holders], inner.group_names)
+        layout = st.StateLayout({**inner.shapes, **self._whole_shapes}, [convert(h) for h in inner.model],
+                                inner.optimizer, [convert(h) for h in inner.optimizer_holders], inner.group_names)
+        return layout if self.pipeline is None else self.pipeline.renamed(layout, self._group_names)
 
     def _whole(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Split tensors made whole from every tensor-parallel rank's part (collective over the group)."""
-        if not self.tp_comm.active:
-            return tensors
-        assert self.module is not None
-        split_of = {n: self.applied.splits[p] for n, p in self.module.named_parameters() if p in self.applied.splits}
-        out = {}
-        for name, t in tensors.items():
-            split = split_of.get(name)
-            if split is None:
+        """Split tensors made whole from every tensor-parallel rank's part (collective over the group), then, under a
+        pipeline, every stage's gathered."""
+        if self.tp_comm.active:
+            out = {}
+            for name, t in tensors.items():
+                split = self._split_of.get(name)
+                if split is not None:
+                    t = t.contiguous()
+                    parts = t.new_empty((self.tp_comm.world_size, *t.shape))
+                    self.tp_comm.all_gather(parts.view(-1), t.view(-1))
+                    t = split.whole(list(parts))
                 out[name] = t
-                continue
-            t = t.contiguous()
-            parts = t.new_empty((self.tp_comm.world_size, *t.shape))
-            self.tp_comm.all_gather(parts.view(-1), t.view(-1))
-            out[name] = split.whole(list(parts))
-        return out
+            tensors = out
+        return tensors if self.pipeline is None else self.pipeline.gathered(tensors)
 
     def full_parameters(self) -> dict[str, Tensor]:
         return self._whole(self.inner.full_parameters())
@@ -364,73 +437,3 @@ def resolve_layout(world_size: int, ranks_per_node: int, tp_across_nodes: bool, 
     layout = Layout(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)
     layout.check(world_size, ranks_per_node or None, tp_across_nodes)
     return layout
-
-
-class PipelinedParallel(PipelineStrategy, Parallelizes):
-    """What ``ParallelStrategy(pp=...)`` with ``pp`` > 1 builds (same arguments): the pipeline's schedules between
-    stages, and in each stage a ``ParallelStrategy`` on the stage's ranks."""
-
-    name = "parallel"
-
-    def __init__(self, tp: int = 1, dp_shard: int | None = None, dp_replicate: int = 1, pp: int = 2,
-                 sequence_parallel: bool = True, microbatches: int = 4, schedule: str = "1f1b",
-                 virtual_stages: int = 1, split: list[int] | None = None, reshard_after_forward: bool = True,
-                 prefetch: bool = True, reduce_dtype: str | None = None, bucket_mb: float = 25.0,
-                 tp_across_nodes: bool = False, cp: int = 1, cp_method: str = "ring") -> None:
-        check_degrees(tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, pp=pp, cp=cp)
-        if cp > 1:
-            raise ValueError(f"parallel: cp={cp} with pp={pp} is not supported yet (context parallelism runs with "
-                             "tp, dp_shard and dp_replicate): use pp=1, or cp=1.")
-        sharded = dp_shard is None or dp_shard > 1
-        super().__init__(stages=pp, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
-                         split=split, data_parallel="fsdp" if sharded else "ddp", bucket_mb=bucket_mb)
-        self.options: dict[str, Any] = dict(tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate,
-                                            sequence_parallel=sequence_parallel,
-                                            reshard_after_forward=reshard_after_forward, prefetch=prefetch,
-                                            reduce_dtype=reduce_dtype, bucket_mb=bucket_mb,
-                                            tp_across_nodes=tp_across_nodes)
-        self.tp, self.dp_shard, self.dp_replicate, self.pp = tp, dp_shard, dp_replicate, pp
-        self.sequence_parallel = sequence_parallel and tp > 1
-        self._parallelized = False
-
-    def layout_for(self, world_size: int, ranks_per_node: int = 0) -> Layout:
-        return resolve_layout(world_size, ranks_per_node, self.options["tp_across_nodes"], pp=self.pp, tp=self.tp,
-                              dp_replicate=self.dp_replicate, dp_shard=self.dp_shard)
-
-    def _layout(self, world_size: int) -> Layout:
-        return self.layout_for(world_size, self.env.local_world_size)
-
-    def _mesh_axes(self) -> list[tuple[str, ...]]:
-        return [*super()._mesh_axes(), *AXES_USED]
-
-    def parallelize(self, module: nn.Module) -> None:
-        """Tensor parallelism on the whole model (the plan names its submodules), before the stages are cut."""
-        assert isinstance(self.inner, ParallelStrategy)
-        self.inner.parallelize(module)
-        self._parallelized = True
-
-    def setup(self, module: nn.Module, optimizer: Optimizer | None, precision: Precision) -> None:
-        if not self._parallelized:  # driven by hand: the module is parallelized here
-            self.parallelize(module)
-        super().setup(module, optimizer, precision)
-        self._parallelized = False
-
-    def _shape(self, param: Tensor) -> tuple[int, ...]:
-        assert isinstance(self.inner, ParallelStrategy)
-        return self.inner.whole_shape(param)
-
-    def unfit_for(self, module: nn.Module, optimizer: Optimizer | None) -> str | None:
-        return unplanned(module, self.tp) or super().unfit_for(module, optimizer)
-
-    def describe(self) -> str:
-        return f"{self.layout}, layers {self.stage_sizes}"
-
-    def activation_model(self, model: nn.Module, device: torch.device) -> nn.Module:
-        return split_for_trace(model, self.tp, self.sequence_parallel, device)
-
-    def _make_inner(self) -> Strategy:
-        inner = ParallelStrategy(pp=1, **{k: v for k, v in self.options.items()
-                                          if k not in ("prefetch",)},
-                                 prefetch=self.options["prefetch"] and self.virtual_stages == 1)
-        inner.mesh = self.mesh  # the stage's groups are the pipeline's mesh's: made once, by every rank
-        return inner

@@ -1,10 +1,9 @@
 """One way to compose strategies: a ``Wrapper`` runs an inner strategy on what it hands it.
 
-A pipeline hands each stage's layers to a data-parallel strategy among the stage's replicas; tensor parallelism
-hands the tensor-parallel model to a data-parallel or sharding strategy among the ranks holding the same slices.
-The wrapper changes what its own axis changes (cutting the model, the point-to-point traffic, norms combined
-across stages or slices, names in checkpoints) and every other part of the contract is the inner strategy's, here,
-once.
+The composed layout (``parallel.py``) hands the tensor-parallel model, or a pipeline stage of it, to the
+data-parallel engine of the ranks holding the same slices (one level: the engine is never a wrapper). The wrapper
+changes what its axes change (cutting the model, the point-to-point traffic, norms combined across stages or
+slices, names in checkpoints) and every other part of the contract is the inner strategy's, here, once.
 """
 
 from __future__ import annotations
@@ -36,10 +35,6 @@ class Wrapper(Strategy):
 
     def local_batch(self, batch: Any) -> Any:
         return self.inner.local_batch(batch)
-
-    @property
-    def counts_items(self) -> bool:
-        return self.inner.counts_items
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         return self.inner.forward_context()

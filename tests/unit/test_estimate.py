@@ -53,7 +53,7 @@ def _step_and_report(name: str, world: int, rank: int, precision: str) -> tuple[
     strategy.setup_environment(Environment(rank=rank, world_size=world))
     strategy.setup(module, module.configure_optimizers()["optimizer"], Precision.from_name(precision))
     if name == "pipeline":  # its schedule needs real peers; give its stage's parameters gradients directly
-        for p in strategy._stage.parameters():
+        for p in strategy.pipeline._stage.parameters():
             p.grad = torch.zeros_like(p)
     else:
         with strategy.forward_context():
@@ -299,7 +299,7 @@ def test_estimated_bytes_per_step_equal_a_real_step(precision):
                 for comm in strategy.comms():
                     comm.stats.reset()
                 if name == "pipeline":
-                    strategy.run_schedule(module, batch, 1.0)
+                    strategy.pipeline.run_schedule(module, batch, 1.0)
                 else:
                     with strategy.forward_context():
                         strategy.backward(module.training_step(batch, 0)["loss"])
@@ -394,7 +394,7 @@ def test_layout_rows_equal_a_real_step(precision):
                 for comm in strategy.comms():
                     comm.stats.reset()
                 if options["pp"] > 1:
-                    strategy.run_schedule(module, batch, 1.0)
+                    strategy.pipeline.run_schedule(module, batch, 1.0)
                 else:
                     with ActivationMeter(exclude=module.parameters()) as meter, strategy.forward_context():
                         loss = module.training_step(policy.convert_input(batch), 0)["loss"]

@@ -26,7 +26,7 @@ from tests.simworld import META, RuleViolation, SimWorld, on_device
 from trainkit.demo.gpt import DemoGPT
 from trainkit.dispatch import HookDispatch
 from trainkit.step import OptimizerStep, StepConfig
-from trainkit_strategies import Environment, Precision, RunsSchedule, ShardedInit, get_strategy
+from trainkit_strategies import Environment, Precision, RunsSchedule, ShardedInit, capability, get_strategy
 from trainkit_strategies.comm import Comm
 
 DIM = 8
@@ -105,7 +105,8 @@ def train(world: SimWorld, rank: int, name: str, options: dict, make: Any, preci
     strategy = get_strategy(name, **options)
     strategy.setup_environment(env, comm=world.comm(rank))
     module = make() if start == "host" else on_device(make())
-    init = strategy.init_context() if isinstance(strategy, ShardedInit) else contextlib.nullcontext()
+    sharded = capability(strategy, ShardedInit)
+    init = sharded.init_context() if sharded is not None else contextlib.nullcontext()
     with init:
         module.configure_model()
     optimizer = module.configure_optimizers()
@@ -121,8 +122,9 @@ def train(world: SimWorld, rank: int, name: str, options: dict, make: Any, preci
     strategy.settle()
     module.eval()
     with torch.no_grad(), strategy.forward_context():
-        if isinstance(strategy, RunsSchedule):
-            strategy.eval_schedule(module, batch, 0, "validate")
+        schedule = capability(strategy, RunsSchedule)
+        if schedule is not None:
+            schedule.eval_schedule(module, batch, 0, "validate")
         else:
             module.training_step(batch, 0)
     metric = getattr(module, "mse", None)

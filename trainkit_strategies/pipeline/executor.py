@@ -7,8 +7,9 @@ first element) and ``pipeline_validation_step(output, batch, batch_idx) -> {name
 evaluation. The layers are split into contiguous stages balanced by parameter count (or ``split``);
 with ``world_size = stages * replicas`` rank ``r`` runs stage ``r // replicas`` of replica
 ``r % replicas`` (``layout.py``: stages outermost), and each stage's gradients are reduced across
-replicas by an inner data-parallel strategy (ddp, zero1, zero2 or fsdp) working in that stage's
-subgroup. With ``virtual_stages = v`` the layers are cut into
+replicas by the layout's data-parallel engine (ddp, zero1, zero2 or fsdp) working in that stage's
+subgroup: ``Pipeline`` is a part of the composed strategy (``parallel.py``; ``pipeline`` is its preset), not a
+strategy around another. With ``virtual_stages = v`` the layers are cut into
 ``stages * v`` chunks and rank ``s`` holds chunks ``s, s + stages, s + 2 stages, ...`` (interleaved 1F1B).
 
 One batch is cut into ``microbatches`` pieces and run by a schedule from ``schedules.py`` (1F1B by
@@ -26,12 +27,9 @@ embedding and LM head) are kept in sync by summing their gradients across those 
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
-import inspect
 import math
 import time
-from collections.abc import Collection
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,10 +40,8 @@ from trainkit_strategies import state as st
 from trainkit_strategies.base import Strategy
 from trainkit_strategies.capabilities import RunsSchedule
 from trainkit_strategies.comm import Comm, Handle
-from trainkit_strategies.environment import Environment
-from trainkit_strategies.layout import AXES, Layout, Mesh
+from trainkit_strategies.layout import AXES, Mesh
 from trainkit_strategies.memory import ActivationMeter
-from trainkit_strategies.norms import combine_norm
 from trainkit_strategies.pipeline.channels import Channel, links
 from trainkit_strategies.pipeline.microbatches import (
     first_tensor,
@@ -58,19 +54,28 @@ from trainkit_strategies.pipeline.microbatches import (
 from trainkit_strategies.pipeline.schedules import SCHEDULES, rank_and_chunk, schedule_for, virtual_stage
 from trainkit_strategies.pipeline.split_backward import WeightGradients, input_gradient
 from trainkit_strategies.pipeline.stages import Chunks, cut, owners
-from trainkit_strategies.precision import Precision
-from trainkit_strategies.registry import get_strategy, strategy_class
-from trainkit_strategies.wrapper import Wrapper
+from trainkit_strategies.registry import strategy_class
 
 DATA_PARALLEL = ("ddp", "zero1", "zero2", "fsdp")
 STAGE_AXES = tuple(a for a in AXES if a != "pp")  # the ranks running one stage
 
 
-class PipelineStrategy(Wrapper, RunsSchedule):
-    """Split the model's layers into stages across ranks and pipeline micro-batches through them.
+def check_schedule(schedule: str, data_parallel: str) -> None:
+    """Fail, naming the fix, where ``schedule`` cannot run with the ``data_parallel`` engine in each stage."""
+    if schedule == "zero_bubble" and not strategy_class(data_parallel).splits_backward:
+        raise ValueError(f"pipeline schedule 'zero_bubble' computes weight gradients in a second autograd pass, "
+                         f"after {data_parallel} has freed the gathered parameters and reduced the first; use "
+                         f"data_parallel 'ddp', 'zero1' or 'zero2' with it, or schedule '1f1b' or "
+                         f"'interleaved_1f1b' with {data_parallel}.")
+
+
+class Pipeline(RunsSchedule):
+    """The pipeline axis of a composed strategy (``ParallelStrategy`` with ``pp`` stages): the stages cut from the
+    model, the links between them and the schedule that runs a batch through them. The data-parallel engine of the
+    stage's ranks (its one nested strategy) holds the chunks' parameters; this part calls it for the stage's
+    forward, backward and no-sync windows.
 
     Args:
-        stages: pipeline depth (default: every rank a stage). The world size must be a multiple of it.
         microbatches: pieces each batch is cut into along its first dimension (``tensor_split``: sizes
             differ by at most one); a batch with fewer samples runs with one micro-batch per sample.
         schedule: "1f1b" (bounded activation memory), "gpipe", "interleaved_1f1b" (with ``virtual_stages``;
@@ -78,20 +83,11 @@ class PipelineStrategy(Wrapper, RunsSchedule):
         virtual_stages: model chunks per rank under "interleaved_1f1b" (or "gpipe").
         split: layers per chunk (``stages * virtual_stages`` of them), e.g. ``[3, 5]``; default: balanced by
             parameter count.
-        data_parallel: strategy reducing each stage's gradients across replicas: "ddp", "zero1", "zero2" or
-            "fsdp".
-        bucket_mb: bucket size of that strategy (ddp and ZeRO).
         measure_activations: record the peak of activation bytes alive per step (``activation_peak``).
     """
 
-    name = "pipeline"
-
-    def __init__(self, stages: int | None = None, microbatches: int = 4, schedule: str = "1f1b",
-                 virtual_stages: int = 1, split: list[int] | None = None, data_parallel: str = "ddp",
-                 bucket_mb: float = 25.0, measure_activations: bool = False) -> None:
-        super().__init__()
-        if stages is not None and stages < 1:
-            raise ValueError(f"pipeline stages must be >= 1; got {stages}.")
+    def __init__(self, microbatches: int = 4, schedule: str = "1f1b", virtual_stages: int = 1,
+                 split: list[int] | None = None, measure_activations: bool = False) -> None:
         if microbatches < 1:
             raise ValueError(f"pipeline microbatches must be >= 1; got {microbatches}.")
         if schedule not in SCHEDULES:
@@ -99,19 +95,10 @@ class PipelineStrategy(Wrapper, RunsSchedule):
         if virtual_stages < 1 or (virtual_stages > 1 and schedule not in ("interleaved_1f1b", "gpipe")):
             raise ValueError(f"pipeline virtual_stages={virtual_stages}: several model chunks per rank run under "
                              f"schedule 'interleaved_1f1b' (or 'gpipe'), not {schedule!r}; use virtual_stages=1.")
-        if data_parallel not in DATA_PARALLEL:
-            raise ValueError(f"pipeline data_parallel must be one of {', '.join(DATA_PARALLEL)}; "
-                             f"got {data_parallel!r}.")
-        if schedule == "zero_bubble" and not strategy_class(data_parallel).splits_backward:
-            raise ValueError(f"pipeline schedule 'zero_bubble' computes weight gradients in a second autograd pass, "
-                             f"after {data_parallel} has freed the gathered parameters and reduced the first; use "
-                             f"data_parallel 'ddp', 'zero1' or 'zero2' with it, or schedule '1f1b' or "
-                             f"'interleaved_1f1b' with {data_parallel}.")
-        self.stages, self.microbatches, self.schedule = stages, microbatches, schedule
-        self.virtual_stages = virtual_stages
-        self.split, self.data_parallel, self.bucket_mb = split, data_parallel, bucket_mb
-        self.measure_activations = measure_activations
-        self.inner: Strategy = get_strategy("single")  # replaced by ``data_parallel`` when there are replicas
+        self.microbatches, self.schedule, self.virtual_stages = microbatches, schedule, virtual_stages
+        self.split, self.measure_activations = split, measure_activations
+        self.stages = 1
+        self.stage_sizes: list[int] = []
         self.activation_peak = {"micro_batches": 0, "bytes": 0}
         self.idle = {"wait_s": 0.0, "schedule_s": 0.0}  # the last schedule's time blocked on peers, and its length
         self._tied: list[tuple[nn.Parameter, Comm, bool]] = []  # (param, comm of its stages, counted in norms)
@@ -120,59 +107,34 @@ class PipelineStrategy(Wrapper, RunsSchedule):
         self._actions: dict[int, list] = {}  # micro-batch count -> this stage's schedule
 
     # -- topology ------------------------------------------------------------------------------------
-    def setup_environment(self, env: Environment, comm: Comm | None = None) -> None:
-        Strategy.setup_environment(self, env, comm)
-        stages = self.stages or env.world_size
-        if env.world_size % stages:
-            raise ValueError(f"pipeline: world_size={env.world_size} is not a multiple of stages={stages}; "
-                             f"use a world size of stages x replicas.")
-        v = self.virtual_stages
+    def connect(self, comm: Comm, mesh: Mesh, device: torch.device) -> None:
+        """This rank's stage of ``mesh`` (whose ``pp`` axis is the stages) and the links to its neighbours, over
+        ``comm`` (the mesh's world). Collective: every rank makes every group, in one order."""
+        stages, v = mesh.layout.pp, self.virtual_stages
         if v > 1 and stages < 2:
             raise ValueError(f"pipeline virtual_stages={v} interleaves chunks across ranks; it needs stages >= 2.")
         if self.schedule == "interleaved_1f1b" and self.microbatches % stages:
             raise ValueError(f"pipeline schedule 'interleaved_1f1b' runs micro-batches in groups of stages={stages}: "
                              f"set microbatches to a multiple of {stages} (got {self.microbatches}).")
-        self.stages = stages
-        self.layout = self._layout(env.world_size)
-        self.mesh = Mesh(self.layout, self.comm, self._mesh_axes())
-        self.stage = self.mesh.coords["pp"]
-        self.pipe = self.mesh.comm("pp")
-        on_stage = self.mesh.comm(STAGE_AXES)  # the ranks running this stage: they share its gradients
-        self.replicas, self.replica = on_stage.world_size, on_stage.rank
+        self.comm, self.device, self.stages = comm, device, stages
+        self.stage = mesh.coords["pp"]
+        self.pipe = mesh.comm("pp")
+        self.on_stage = mesh.comm(STAGE_AXES)  # the ranks running this stage: they share its gradients
         # one pipeline per coordinate of the other axes, its ranks in stage order; every rank makes every group
-        self._lines = [[self.comm.ranks[r] for r in line] for line in self.layout.groups(("pp",))]
-        self._line = next(i for i, line in enumerate(self._lines) if self.comm.ranks[self.comm.rank] in line)
-        self.headers, self.links = links(self.comm, self._lines, self._line, stages * v, stages)
-        self.inner = self._make_inner()
-        self.inner.setup_environment(
-            dataclasses.replace(env, rank=on_stage.rank, local_rank=on_stage.rank, world_size=on_stage.world_size),
-            comm=on_stage)
-
-    def _layout(self, world_size: int) -> Layout:
-        """Stages x replicas, stages outermost: ddp replicates a stage, the ZeRO stages and fsdp shard it."""
-        return Layout(pp=self.stages, **{strategy_class(self.data_parallel).data_axis: world_size // self.stages})
-
-    def _mesh_axes(self) -> list[tuple[str, ...]]:
-        return [("pp",), STAGE_AXES]
-
-    def _make_inner(self) -> Strategy:
-        """The strategy a stage's ranks run its chunks with (``data_parallel`` among its replicas)."""
-        if self.replicas == 1:
-            return get_strategy("single")
-        accepted = inspect.signature(strategy_class(self.data_parallel)).parameters
-        options = {"bucket_mb": self.bucket_mb, "prefetch": self.virtual_stages == 1}  # chunks in turn: no one order
-        return get_strategy(self.data_parallel, **{k: v for k, v in options.items() if k in accepted})
-
-    def _shape(self, param: Tensor) -> tuple[int, ...]:
-        """A parameter's whole shape (before any tensor parallelism cut it): checkpoints and stage balance use it."""
-        return tuple(param.shape)
+        self._lines = [[comm.ranks[r] for r in line] for line in mesh.layout.groups(("pp",))]
+        self._line = next(i for i, line in enumerate(self._lines) if comm.ranks[comm.rank] in line)
+        self.headers, self.links = links(comm, self._lines, self._line, stages * v, stages)
 
     @property
     def last(self) -> bool:
         return self.stage == self.stages - 1
 
     # -- setup ---------------------------------------------------------------------------------------
-    def setup(self, module: nn.Module, optimizer: Optimizer | None, precision: Precision) -> None:
+    def cut(self, module: nn.Module, optimizer: Optimizer | None, engine: Strategy,
+            shape: Callable[[Tensor], tuple[int, ...]], shapes: dict[str, tuple[int, ...]]) -> nn.Module:
+        """This rank's chunks of ``module``'s ``pipeline_layers()`` (the layers of other stages emptied, the
+        optimizer's groups cut to this stage's parameters, parameters tied across stages kept apart in ``engine``),
+        for ``engine`` to set up. ``shape``: a parameter's whole shape; ``shapes``: every tensor's, by name."""
         missing = missing_hooks(module)
         if missing:
             raise TypeError(
@@ -180,13 +142,12 @@ class PipelineStrategy(Wrapper, RunsSchedule):
                 "pipeline_layers() -> the ordered layers whose composition is the model, and "
                 "pipeline_loss(output, batch) -> the loss on the last layer's output. See docs/strategies.md."
             )
-        self._bind(module, optimizer, precision)
+        self.engine = engine
         layers = list(module.pipeline_layers())
         names = st.param_names(module)
-        self._shapes, _ = self._whole_state(skip=set())
-        self._shapes |= {n: self._shape(q) for q, n in names.items()}
+        self._shapes = shapes | {n: shape(q) for q, n in names.items()}
         p, v = self.stages, self.virtual_stages
-        counts = cut([sum(math.prod(self._shape(q)) for q in layer.parameters()) for layer in layers], p, v, self.split)
+        counts = cut([sum(math.prod(shape(q)) for q in layer.parameters()) for layer in layers], p, v, self.split)
         self.stage_sizes = counts  # layers per chunk, in model order (per stage when virtual_stages is 1)
         bounds = [sum(counts[:k]) for k in range(p * v + 1)]
         rank_of = owners(layers, bounds, p, names)  # the pipeline ranks holding each parameter
@@ -209,7 +170,7 @@ class PipelineStrategy(Wrapper, RunsSchedule):
                     group.broadcast(on_device, src=0)
                     q.data.copy_(on_device)
         for q, _, _ in self._tied:  # its gradient is summed across stages and counted in norms once
-            self.inner.keep_apart([q])
+            engine.keep_apart([q])
         ks = [virtual_stage(self.stage, c, p) for c in range(v)]
         self._stage = Chunks([layers[bounds[k] : bounds[k + 1]] for k in ks])
         self._virtual = ks  # chunk c is virtual stage ks[c]
@@ -220,8 +181,11 @@ class PipelineStrategy(Wrapper, RunsSchedule):
             kept = set(mine)
             for group in optimizer.param_groups:
                 group["params"] = [q for q in group["params"] if q in kept]
-        self.inner.setup(self._stage, optimizer, precision)
-        self._place(module)  # what no stage holds: metric states, say
+        return self._stage
+
+    def open_channels(self) -> None:
+        """The chunks' channels, once the engine has set them up."""
+        p, v, ks = self.stages, self.virtual_stages, self._virtual
         self._actions = {}
         self._params = [[q for q in chunk.parameters() if q.requires_grad] for chunk in self._stage.chunks]
         # per chunk: activations in from the previous chunk and their gradients back to it; out to the next
@@ -301,7 +265,7 @@ class PipelineStrategy(Wrapper, RunsSchedule):
         items: Tensor | float = 0.0
         live = peak = peak_bytes = live_bytes = 0
         started, waited = time.perf_counter(), 0.0
-        with self.inner.no_sync():
+        with self.engine.no_sync():
             for a in actions:
                 kind, mb, c = a.kind, a.microbatch, a.chunk
                 key, k = (mb, c), self._virtual[c]
@@ -317,7 +281,7 @@ class PipelineStrategy(Wrapper, RunsSchedule):
                 elif kind == "F":
                     x = inputs[key] if k else model_input(module, chunks[mb])
                     meter = ActivationMeter(self._stage.parameters()) if self.measure_activations else None
-                    with self.inner.forward_context(), meter or contextlib.nullcontext():
+                    with self.engine.forward_context(), meter or contextlib.nullcontext():
                         out = self._stage.chunks[c](x)
                         if k == last_k:
                             loss, n = loss_items(module.pipeline_loss(out, chunks[mb]), chunks[mb])
@@ -341,7 +305,7 @@ class PipelineStrategy(Wrapper, RunsSchedule):
                     if split and k:  # the input's gradient now, the weights' at W
                         input_grads[key], weights[key] = input_gradient(out, grad, inputs.pop(key), self._params[c])
                         continue
-                    self.inner.backward(out, grad)
+                    self.engine.backward(out, grad)
                     if k:
                         input_grads[key] = inputs.pop(key).grad
                     live, live_bytes = live - 1, live_bytes - held.pop(key)
@@ -354,7 +318,7 @@ class PipelineStrategy(Wrapper, RunsSchedule):
                 elif kind == "W":
                     pending = weights.pop(key, None)
                     if pending is not None:  # else B ran the whole backward (the first chunk: no input gradient)
-                        with self.inner.backward_pass():
+                        with self.engine.backward_pass():
                             pending.run()
                         live, live_bytes = live - 1, live_bytes - held.pop(key)
         before = time.perf_counter()
@@ -364,7 +328,7 @@ class PipelineStrategy(Wrapper, RunsSchedule):
         self.pipe.broadcast(mean, src=self.stages - 1)
         now = time.perf_counter()
         self.idle = {"wait_s": waited + now - before, "schedule_s": now - started}
-        return mean[0], items if self.inner.counts_items else 0.0  # tensor-parallel ranks count their samples once
+        return mean[0], items
 
     def evaluates(self, module: nn.Module, has_validation_step: bool) -> bool:
         """``pipeline_validation_step`` alone asks for validation; ``validation_step`` evaluates by
@@ -381,7 +345,7 @@ class PipelineStrategy(Wrapper, RunsSchedule):
         last_k = self.stages * self.virtual_stages - 1
         totals: dict[str, tuple[Tensor, float]] = {}
         sends: list[Handle] = []
-        with torch.no_grad(), self.inner.forward_context():
+        with torch.no_grad(), self.engine.forward_context():
             for c, k in enumerate(self._virtual):  # every micro-batch through chunk 0, then chunk 1, ...
                 for mb, chunk in enumerate(chunks):
                     key = ("eval", signature(chunk))
@@ -405,65 +369,36 @@ class PipelineStrategy(Wrapper, RunsSchedule):
         result = {k: total / max(weight, 1.0) for k, (total, weight) in totals.items()} if self.last else None
         return self.pipe.broadcast_object(result, src=self.stages - 1)
 
-    # -- gradients and step --------------------------------------------------------------------------
-    def reduce_gradients(self, scale: float | Tensor) -> None:
-        self.inner.reduce_gradients(scale)
-        for p, comm, _ in self._tied:  # a shared parameter's gradient is the sum over its stages' uses
-            for grad in self.inner.gradients_of([p]):
+    # -- what the composing strategy asks of its pipeline axis -----------------------------------------
+    def reduce_tied(self) -> None:
+        """A shared parameter's gradient is the sum over its stages' uses."""
+        for p, comm, _ in self._tied:
+            for grad in self.engine.gradients_of([p]):
                 comm.all_reduce(grad)
 
-    def grad_norm(self, norm_type: float = 2.0, exclude: Collection[Tensor] = ()) -> Tensor:
-        """The stage's norm (a shared parameter counted on its first stage only), combined across stages."""
-        skip = [p for p, _, counted in self._tied if not counted]
-        return combine_norm(self.inner.grad_norm(norm_type, [*exclude, *skip]), norm_type, self.pipe)
+    def counted_elsewhere(self) -> list[Tensor]:
+        """Parameters tied across stages that another stage counts in norms."""
+        return [p for p, _, counted in self._tied if not counted]
 
     def own_comms(self) -> list[Comm]:
         return [self.pipe, self.headers, *self.links.values(), *(c for _, c, _ in self._tied)]
 
-    def comms_by_axis(self) -> dict[str, list[Comm]]:
-        return {"pp": [self.comm, *self.own_comms()], **self.inner.comms_by_axis()}
-
-    # -- planning ------------------------------------------------------------------------------------
-    def unfit_for(self, module: nn.Module, optimizer: Optimizer | None) -> str | None:
-        missing = missing_hooks(module)
-        if missing:
-            return f"the module has no {' or '.join(f'{m}()' for m in missing)}"
-        return super().unfit_for(module, optimizer)
-
-    def planned(self, module: nn.Module, world_size: int) -> tuple[Strategy, list[int]]:
-        """Stages left open: as many as the world and the layers allow. The first rank of every stage is planned."""
-        planned = copy.deepcopy(self)
-        if planned.stages is None:
-            layers = len(module.pipeline_layers())
-            planned.stages = max(d for d in range(1, world_size + 1) if world_size % d == 0 and d <= layers)
-        replicas = world_size // planned.stages
-        return planned, [stage * replicas for stage in range(planned.stages)]
-
-    def describe(self) -> str:
-        return f"{self.stages} stages x {self.replicas} replicas, layers {self.stage_sizes}"
-
-    def forward_context(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()  # the schedule applies the precision policy around each stage forward
-
-    # -- state ---------------------------------------------------------------------------------------
-    def state_layout(self) -> st.StateLayout:
+    def renamed(self, layout: st.StateLayout, group_names: list[list[str]]) -> st.StateLayout:
         """The stage's holders under the module's names; a parameter tied across stages is written by its first."""
         names = st.param_names(self._stage)
         elsewhere = {self._to_global[names[p]] for p, _, counted in self._tied if not counted}
-        return st.renamed_layout(self.inner.state_layout(), self._to_global.__getitem__, self._shapes,
-                                 self._group_names, elsewhere)
+        return st.renamed_layout(layout, self._to_global.__getitem__, self._shapes, group_names, elsewhere)
 
-    def _gathered(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Whole-model tensors on every rank from each stage's (collective over the world)."""
-        mine = {self._to_global[n]: t.detach().cpu() for n, t in tensors.items()} if self.inner.is_global_zero else {}
+    def gathered(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Whole-model tensors on every rank from each stage's (collective over the world); the stage's first rank
+        gives its stage's."""
+        mine = {self._to_global[n]: t.detach().cpu() for n, t in tensors.items()} if self.on_stage.rank == 0 else {}
         out: dict[str, Tensor] = {}
         for part in self.comm.all_gather_object(mine):
             out |= part
         return out
 
-    def full_parameters(self) -> dict[str, Tensor]:
-        return self._gathered(self.inner.full_parameters())
-
-    def full_gradients(self) -> dict[str, Tensor]:
-        return self._gathered(self.inner.full_gradients())
-
+    def stages_for(self, module: nn.Module, world_size: int) -> int:
+        """As many stages as the world and the layers allow (for a pipeline whose depth is left open)."""
+        layers = len(module.pipeline_layers())
+        return max(d for d in range(1, world_size + 1) if world_size % d == 0 and d <= layers)

@@ -39,6 +39,7 @@ from trainkit_strategies import state as st
 from trainkit_strategies.base import Strategy
 from trainkit_strategies.capabilities import ShardedInit
 from trainkit_strategies.comm import Comm
+from trainkit_strategies.environment import Environment
 from trainkit_strategies.flat import BucketReducer, FlatBucket, OrderedLauncher
 from trainkit_strategies.master import DeferredGradScale, MasterShards
 from trainkit_strategies.memory import MemoryReport
@@ -67,7 +68,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
             every step, as ddp does.
     """
 
-    data_axis = "dp_shard"
+    data_axis, hybrid = "dp_shard", True  # shards over dp_shard x cp, replicated over dp_replicate (HSDP)
     splits_backward = False  # a unit's gathered parameters are freed and its gradients reduced after its backward
 
     def __init__(self, reshard_after_forward: bool = True, prefetch: bool = True, offload: bool = False,
@@ -95,7 +96,12 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         self._replaced: dict[Tensor, Tensor] = {}  # meta parameter -> the parameter that replaced it
         self._replayer: Replayer | None = None  # what configure_model computed on the meta device
         self._apart: list[set[int]] = []  # ids of parameters whose gradients keep_apart gave buckets of their own
-        self.replicate: Comm | None = None  # HSDP: replicas of the shards, their gradients all-reduced once per step
+        self.replicate: Comm | None = None  # HSDP (setup_environment's replicas)
+
+    def setup_environment(self, env: Environment, comm: Comm | None = None, replicas: Comm | None = None) -> None:
+        """``replicas``: the ranks holding the same shards, their gradients all-reduced once per step (HSDP)."""
+        super().setup_environment(env, comm)
+        self.replicate = replicas
 
     # -- policy --------------------------------------------------------------------------------------
     def unit_modules(self, module: nn.Module) -> list[list[nn.Module]]:
