@@ -9,7 +9,7 @@ batch one process with batch ``W*b`` would see, which is what makes strategy par
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -163,18 +163,20 @@ class DataConnector:
     _HOOKS = {"fit": "val_dataloader", "validate": "val_dataloader", "test": "test_dataloader",
               "predict": "predict_dataloader"}
 
-    def __init__(self, strategy: Any, precision: Any, use_distributed_sampler: bool, seed: int) -> None:
-        self.strategy, self.precision = strategy, precision
+    def __init__(self, strategy: Callable[[], Any], precision: Any, use_distributed_sampler: bool, seed: int) -> None:
+        self._strategy, self.precision = strategy, precision
         self.use_distributed_sampler, self.seed = use_distributed_sampler, seed
         self.train_dataloader: Any = None
         self.val_dataloaders: list[Any] = []
         self._source: Any = None
         self._train_arg: Any = None
+        self._source_train: Any = None  # the run's training loader as given (asked for once per run)
 
     def prepare(self, source: Any, train: Any) -> None:
         """A new run: ``source`` (a DataModule or the module) supplies what ``train`` (fit's loaders) does not."""
         self._source, self._train_arg = source, train
         self.train_dataloader, self.val_dataloaders = None, []
+        self._source_train: Any = None
 
     def connect(self, fn: str, evaluation: Any) -> None:
         """Build the loaders ``fn`` ("fit", "validate", "test", "predict") uses; ``evaluation`` is the loaders
@@ -191,14 +193,26 @@ class DataConnector:
             raise ValueError(f"No {fn} data: pass dataloaders, a datamodule, or implement {hook}() on the module.")
         self.val_dataloaders = [self._rebuild(dl, shuffle=False, pad=False) for dl in loaders]
 
-    def connect_train(self) -> None:
+    @property
+    def strategy(self) -> Any:
+        """The run's strategy, asked for when it is used (``strategy="auto"`` decides it as fit starts)."""
+        return self._strategy()
+
+    def source_train(self) -> Any:
+        """The training loader as the user gave it (before trainkit's sampler shards it by data-parallel rank)."""
+        if self._source_train is not None:
+            return self._source_train
         loader = self._train_arg if self._train_arg is not None else self._source.train_dataloader()
         if loader is None:
             raise ValueError(
                 "No training data: pass train_dataloaders to fit(), a datamodule, or implement "
                 "train_dataloader() on the module."
             )
-        self.train_dataloader = self._rebuild(loader, shuffle=None, pad=True)
+        self._source_train = loader
+        return loader
+
+    def connect_train(self) -> None:
+        self.train_dataloader = self._rebuild(self.source_train(), shuffle=None, pad=True)
 
     def _rebuild(self, loader: Any, shuffle: bool | None, pad: bool) -> Any:
         if not self.use_distributed_sampler:

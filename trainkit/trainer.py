@@ -228,8 +228,9 @@ class Trainer(TrainerProperties):
         self.optimizer_config: OptimizerConfig | None = None
         self.state = "idle"  # "fit", "validate", "test" or "predict" while one runs
         self.progress = Progress()
-        self.results = Results(self.strategy.reduce)  # what ``self.log`` records; see callback_metrics
-        self.data = DataConnector(self.strategy, self.precision, use_distributed_sampler, seed or 0)
+        # both ask for the strategy when they use it: strategy="auto" decides it when fit starts
+        self.results = Results(lambda t, op: self.strategy.reduce(t, op))  # what ``self.log`` records
+        self.data = DataConnector(lambda: self.strategy, self.precision, use_distributed_sampler, seed or 0)
         self.fit_loop: FitLoop | None = None  # the loops of the current (or last) run
         self._hooks: HookDispatch | None = None  # the current run's
         self.evaluation: EvalLoop | None = None
@@ -457,13 +458,9 @@ class Trainer(TrainerProperties):
     def _choose_strategy(self, module: TrainModule) -> None:
         """``strategy="auto"``: rank 0's plan (``auto.py``), and the chosen strategy in the planner's place."""
         self._auto = False
-        if self.data.train_dataloader is None:
-            self.data.connect_train()
-        chosen = choose_strategy(module, self.data.train_dataloader, self.strategy, self.env, self.precision.name,
-                                 self.device_memory, self.activation_checkpointing,
-                                 self.activation_checkpointing_every)
-        self.strategy = self.data.strategy = chosen
-        self.results = Results(chosen.reduce)
+        self.strategy = choose_strategy(module, self.data.source_train(), self.strategy, self.env,
+                                        self.precision.name, self.device_memory, self.activation_checkpointing,
+                                        self.activation_checkpointing_every)
 
     def _log_hyperparams(self) -> None:
         if not self.is_global_zero:

@@ -40,3 +40,18 @@ class CommProbe(Callback):
     def on_train_end(self, trainer: Any, module: Any) -> None:
         if trainer.is_global_zero:
             self.path.write_text(json.dumps(self.steps))
+
+
+class BatchProbe(Callback):
+    """Writes, on every rank, the sum of each training batch's first tensor to ``<path>.rank<r>.json``: which samples
+    a rank read."""
+
+    def __init__(self, path: str = "batches") -> None:
+        self.path, self.sums = path, []
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        first = batch[0] if isinstance(batch, (list, tuple)) else batch
+        self.sums.append(float(first.double().sum()))
+
+    def on_train_end(self, trainer: Any, module: Any) -> None:
+        Path(f"{self.path}.rank{trainer.global_rank}.json").write_text(json.dumps(self.sums))

@@ -3,6 +3,7 @@ starts and said in one line; none fitting is an error naming the smallest plan."
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -32,11 +33,11 @@ def _plan():
                     strategies=["ddp", "zero1", "zero2", "fsdp", "zero_offload"])
 
 
-def _fit(tmp_path, memory: int) -> subprocess.CompletedProcess:
+def _fit(tmp_path, memory: int, *more: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     return subprocess.run([sys.executable, "-m", "trainkit.cli", "fit", *ARGS, "--trainer.default_root_dir",
-                           str(tmp_path), "--trainer.device_memory", str(memory)], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=tmp_path)
+                           str(tmp_path), "--trainer.device_memory", str(memory), *more], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=tmp_path)
 
 
 def test_auto_picks_a_sharded_strategy_when_ddp_does_not_fit(tmp_path):
@@ -63,17 +64,22 @@ def test_auto_with_nothing_fitting_names_the_smallest_plan(tmp_path):
 
 def test_auto_takes_a_tensor_parallel_layout_when_no_one_axis_strategy_fits(tmp_path):
     """The demo GPT declares a tensor-parallel plan: with room for tp=2's plan and for no one-axis strategy's, auto
-    trains under strategy="parallel" with tp=2 (and says so)."""
+    trains under strategy="parallel" with tp=2 (and says so), its two ranks reading the same batches (the loader is
+    sharded by the chosen layout's data-parallel ranks, one here, not by the two ranks that planned)."""
     plan = _plan()
     layout = plan.row("tp2")
     one_axis = min(r.peak for r in plan.rows if not r.options)
     assert layout.options == {"tp": 2, "pp": 1} and layout.peak < one_axis
-    proc = _fit(tmp_path, int((layout.peak + one_axis) / 2 / HEADROOM))
+    probe = str(tmp_path / "batches")
+    proc = _fit(tmp_path, int((layout.peak + one_axis) / 2 / HEADROOM),
+                "--trainer.callbacks+=tests.e2e.probes.BatchProbe", "--trainer.callbacks.path", probe)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "strategy='auto': parallel (tp2), the fastest plan that fits" in proc.stdout, proc.stdout[-2000:]
     from trainkit.checkpoint import CheckpointReader, latest
 
     assert CheckpointReader(latest(tmp_path / "checkpoints")).meta["strategy"] == "parallel"
+    seen = [json.loads((tmp_path / f"batches.rank{r}.json").read_text()) for r in range(2)]
+    assert len(seen[0]) == 2 and seen[0] == seen[1], seen
 
 
 def test_auto_under_checkpointing_says_the_size_it_decided_with(tmp_path):
