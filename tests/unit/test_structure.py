@@ -130,3 +130,24 @@ def test_importing_trainkit_leaves_dynamo_unimported():
             "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_strategy_class_is_the_steps_contract_and_its_parts_live_apart():
+    """``Strategy``'s own methods are the step's (about fifteen); ranks, gradient parts, checkpointing and planning
+    come from classes in files of their own, and no member is defined twice along the way."""
+    import inspect
+
+    from trainkit_strategies.base import Strategy
+    from trainkit_strategies.checkpointing import Checkpointing
+    from trainkit_strategies.parts import GradientParts
+    from trainkit_strategies.planning import Planning
+    from trainkit_strategies.ranks import Ranks
+
+    own = sorted(n for n, v in vars(Strategy).items() if not n.startswith("_") and callable(v))
+    assert len(own) <= 16, own
+    parts = [Ranks, GradientParts, Checkpointing, Planning]
+    assert all(issubclass(Strategy, part) for part in parts)
+    files = {inspect.getsourcefile(part) for part in parts} | {inspect.getsourcefile(Strategy)}
+    assert len(files) == len(parts) + 1
+    members = [n for cls in (Strategy, *parts) for n in vars(cls) if not n.startswith("__")]
+    assert len(members) == len(set(members)), sorted(n for n in members if members.count(n) > 1)
