@@ -102,8 +102,9 @@ class OptimizerStep:
         self._boundary = False  # the micro-batch running is its window's last
         self._early_scale: Any = None  # the window's scale, when the strategy took it to step during backward
         # a strategy may step during the window's last backward when nothing needs the gradients before the step
-        self._steps_early = (capability(strategy, StepsInBackward) is not None and not precision.loss_scaling
-                             and config.gradient_clip_val is None and not hooks.fns("on_before_optimizer_step"))
+        early = capability(strategy, StepsInBackward)
+        self._early = early if (early is not None and not precision.loss_scaling and config.gradient_clip_val is None
+                                and not hooks.fns("on_before_optimizer_step")) else None
         self._schedule = capability(strategy, RunsSchedule)  # a pipeline's: forward and backward of a whole batch
         self._forward_backward = self._training_step if self._schedule is None else self._scheduled
 
@@ -146,9 +147,9 @@ class OptimizerStep:
             weight = weight * self.precision.loss_scale
         for fn in self.hooks.fns("on_before_backward"):
             fn(loss)
-        if self._boundary and self._steps_early:
+        if self._boundary and self._early is not None:
             scale = self._window_scale(self._count)
-            if strategy.step_in_backward(scale):  # type: ignore[attr-defined]
+            if self._early.step_in_backward(scale):
                 self._early_scale = scale
         strategy.backward(loss * weight if not (isinstance(weight, float) and weight == 1.0) else loss)
         for fn in self.hooks.fns("on_after_backward"):

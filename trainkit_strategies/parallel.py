@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
 from trainkit_strategies.base import Strategy
-from trainkit_strategies.capabilities import Parallelizes, RunsSchedule
+from trainkit_strategies.capabilities import Parallelizes, RunsSchedule, StepsInBackward
 from trainkit_strategies.comm import Comm
 from trainkit_strategies.context.ring import METHODS, ContextParallel, context_parallel, shard_sequence
 from trainkit_strategies.environment import Environment
@@ -51,7 +51,7 @@ from trainkit_strategies.wrapper import Wrapper
 
 AXES_USED = [("tp",), ("dp_shard", "cp"), ("dp_replicate",), ("dp_replicate", "dp_shard", "cp"),
              ("pp", "dp_replicate", "dp_shard", "cp")]
-ENGINES = ("ddp", "zero1", "zero2", "fsdp")
+ENGINES = ("ddp", "zero1", "zero2", "zero_offload", "zero3", "fsdp")  # every one-axis preset is one of these
 
 
 class ParallelStrategy(Wrapper, Parallelizes):
@@ -84,8 +84,13 @@ class ParallelStrategy(Wrapper, Parallelizes):
         bucket_mb: the bucket size of ddp and the ZeRO stages.
         tp_across_nodes: allow a tensor-parallel group to span nodes (its all-reduces then cross the network).
         data_parallel: the engine of the data-parallel axes. Default: ``fsdp`` where parameters are sharded
-            (``dp_shard x cp`` > 1; HSDP with ``dp_replicate``), ``ddp`` where they are only replicated. ``zero1`` or
-            ``zero2`` shard gradients and optimizer state over ``dp_shard`` and keep parameters whole.
+            (``dp_shard x cp`` > 1; HSDP with ``dp_replicate``), ``ddp`` where they are only replicated. ``zero1``,
+            ``zero2`` and ``zero_offload`` shard gradients and optimizer state over ``dp_shard`` and keep parameters
+            whole; ``zero3`` shards parameters as ``fsdp`` does, one unit per module. A one-axis strategy by name is
+            its engine alone: ``zero2`` is this layout's ``dp_shard=world, data_parallel="zero2"`` without the
+            wrapper.
+        engine_options: the engine's own options, as its strategy takes them (``{"find_unused_parameters": True}``
+            for ddp, ``{"ratio": 0.5}`` for zero_offload, ...).
     """
 
     name = "parallel"
@@ -95,7 +100,7 @@ class ParallelStrategy(Wrapper, Parallelizes):
                  virtual_stages: int = 1, split: list[int] | None = None, reshard_after_forward: bool = True,
                  prefetch: bool = True, reduce_dtype: str | None = None, bucket_mb: float = 25.0,
                  tp_across_nodes: bool = False, cp: int = 1, cp_method: str = "ring",
-                 data_parallel: str | None = None) -> None:
+                 data_parallel: str | None = None, engine_options: dict[str, Any] | None = None) -> None:
         super().__init__()
         check_degrees(tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, pp=pp, cp=cp)
         if cp_method not in METHODS:
@@ -112,6 +117,10 @@ class ParallelStrategy(Wrapper, Parallelizes):
         self.sequence_parallel = sequence_parallel and tp > 1
         self.reshard_after_forward, self.prefetch, self.reduce_dtype = reshard_after_forward, prefetch, reduce_dtype
         self.bucket_mb, self.tp_across_nodes, self.data_parallel = bucket_mb, tp_across_nodes, data_parallel
+        self.engine_options = dict(engine_options or {})
+        if self.engine_options and data_parallel is None:
+            raise ValueError(f"{self.name} engine_options are options of one engine: name it with data_parallel "
+                             "(ddp, zero1, zero2, zero_offload, zero3 or fsdp).")
         self.pipeline = Pipeline(microbatches, schedule, virtual_stages, split) if pp > 1 else None
         if self.pipeline is not None and (data_parallel or (dp_shard or 0) > 1):
             check_schedule(schedule, data_parallel or "fsdp")
@@ -127,7 +136,15 @@ class ParallelStrategy(Wrapper, Parallelizes):
 
     # -- layout --------------------------------------------------------------------------------------
     def layout_for(self, world_size: int, ranks_per_node: int = 0) -> Layout:
-        """The layout at ``world_size`` ranks (``dp_shard`` defaulting to what the others leave), checked."""
+        """The layout at ``world_size`` ranks, checked: ``dp_shard`` takes what the others leave, or ``dp_replicate``
+        does where it is 1 and the named engine replicates (``data_parallel="ddp"``)."""
+        replicates = self.data_parallel is not None and strategy_class(self.data_parallel).data_axis == "dp_replicate"
+        if self.dp_shard is None and self.dp_replicate == 1 and replicates:
+            layout = resolve_layout(world_size, ranks_per_node, self.tp_across_nodes, pp=self.pp, tp=self.tp,
+                                    dp_replicate=1, dp_shard=None, cp=self.cp)
+            layout = Layout(pp=layout.pp, dp_replicate=layout.dp_shard, dp_shard=1, cp=layout.cp, tp=layout.tp)
+            layout.check(world_size, ranks_per_node or None, self.tp_across_nodes)
+            return layout
         return resolve_layout(world_size, ranks_per_node, self.tp_across_nodes, pp=self.pp, tp=self.tp,
                               dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp)
 
@@ -180,6 +197,12 @@ class ParallelStrategy(Wrapper, Parallelizes):
         options = dict(bucket_mb=self.bucket_mb, prefetch=self.prefetch and not chunks_in_turn,
                        reshard_after_forward=self.reshard_after_forward, reduce_dtype=self.reduce_dtype)
         accepted = inspect.signature(strategy_class(name)).parameters
+        if name == self.data_parallel:
+            unknown = sorted(set(self.engine_options) - set(accepted))
+            if unknown:
+                raise ValueError(f"{self.name} engine_options {unknown} are not options of {name!r}; its options are "
+                                 f"{', '.join(accepted)}.")
+            options |= self.engine_options
         return get_strategy(name, **{k: v for k, v in options.items() if k in accepted})
 
     @property
@@ -222,9 +245,13 @@ class ParallelStrategy(Wrapper, Parallelizes):
             self.inner.backward(loss, gradient)
 
     def ability(self, kind: type) -> Any:
-        """Its pipeline runs the schedules (``RunsSchedule``) when it has stages."""
+        """Its pipeline runs the schedules (``RunsSchedule``) when it has stages; the engine steps during backward
+        (``StepsInBackward``: zero_offload) where nothing of this layout acts on gradients after the engine's
+        reduction (no tensor-parallel sum, no tied stages)."""
         if kind is RunsSchedule:
             return self.pipeline
+        if kind is StepsInBackward and self.tp == 1 and self.pipeline is None:
+            return self.inner.ability(kind)
         return super().ability(kind)
 
     # -- transforms and setup ------------------------------------------------------------------------

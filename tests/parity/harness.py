@@ -48,7 +48,7 @@ from trainkit.demo.gpt import Block, DemoGPT
 from trainkit.demo.markov import MarkovChain, TokenWindows
 from trainkit.optim import OneBitAdam
 from trainkit.utils import infer_batch_size
-from trainkit_strategies import RunsSchedule, capability, get_strategy, native
+from trainkit_strategies import RunsSchedule, StepsInBackward, capability, get_strategy, native
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
 BF16 = {"rtol": 2e-2, "atol": 2e-2}
@@ -245,7 +245,8 @@ def run_case(case: Case, world_size: int, per_rank_batch: int, accelerator: str)
     peaks = strategy.all_gather_object(schedule.activation_peak if schedule is not None else {})
     graphs = [*probe.graphs_after_first_step, compiled_graphs()] if case.compile else []
     return Result(probe.losses, probe.grads, params, probe.comm, psi, metrics, peaks,
-                  getattr(strategy, "steps_in_backward", 0), native.why_not("host_adam") or "", graphs)
+                  getattr(capability(strategy, StepsInBackward), "steps_in_backward", 0),
+                  native.why_not("host_adam") or "", graphs)
 
 
 def run_reference(case: Case, world_size: int) -> Result:

@@ -26,6 +26,18 @@ def _cases(world: int) -> list[Case]:
     }[world]
     cases = [Case(f"{name}-{model}", "parallel", options, model=model, accumulate=2, clip=0.05)
              for name, options in layouts.items() for model in MODELS]
+    engines = {  # the one-axis strategies as engines of the layout constructor
+        2: {"dps2-zero2": {"data_parallel": "zero2"},
+            "dps2-zero-offload": {"data_parallel": "zero_offload", "engine_options": {"ratio": 0.5}},
+            "dps2-zero-offload-early": {"data_parallel": "zero_offload", "engine_options": {"overlap_step": True}},
+            "dpr2-ddp-unused": {"dp_replicate": 2, "data_parallel": "ddp",
+                                "engine_options": {"find_unused_parameters": True}}},
+        4: {"hsdp2x2-zero3": {"dp_replicate": 2, "dp_shard": 2, "data_parallel": "zero3"}},
+        8: {},
+    }[world]
+    cases += [Case(f"{name}-gpt", "parallel", options, model="gpt", accumulate=2,  # early: unclipped, unprobed, so
+                   **({"clip": None, "probe_grads": False} if name.endswith("early") else {"clip": 0.05}))  # the host
+              for name, options in engines.items()]  # step runs during backward
     if world == 2:  # evaluation: val_loss averaged over the data-parallel ranks only (tp ranks hold the same)
         cases.append(Case("tp2-validate-gpt", "parallel", {"tp": 2}, model="gpt", validate=True, per_rank_batch=8))
         cases += [Case(f"tp2-selective-checkpointing-{model}", "parallel", {"tp": 2}, model=model, accumulate=2,
@@ -55,6 +67,8 @@ def eight_ranks() -> dict:
 @pytest.mark.parametrize("case", _cases(2), ids=lambda c: c.name)
 def test_two_ranks_match_single_process(two_ranks, case):
     assert_parity(two_ranks[case.name], run_reference(case, 2), case.tolerance())
+    if case.name.startswith("dps2-zero-offload-early"):  # the engine's step during backward reached through the layout
+        assert two_ranks[case.name].steps_in_backward == case.steps
 
 
 @pytest.mark.parametrize("case", _cases(4), ids=lambda c: c.name)

@@ -187,10 +187,33 @@ def test_a_weight_tied_across_stages_with_zero_replicas_is_refused_naming_the_fi
         world.run(lambda r: train(world, r, "pipeline", options, gpt, "32", 1, None, "norm"))
 
 
+@pytest.mark.parametrize(("options", "message"), [
+    ({"dp_replicate": 2, "data_parallel": "zero2"}, r"data_parallel='zero2' cannot run dp_replicate=2.*zero1 and zero2 "
+                                                    r"shard over dp_shard alone"),
+    ({"dp_shard": 2, "data_parallel": "ddp"}, r"data_parallel='ddp' cannot run .*ddp replicates"),
+    ({"data_parallel": "ddp", "engine_options": {"ratio": 0.5}},
+     r"engine_options \['ratio'\] are not options of 'ddp'"),
+    ({"data_parallel": "ddp", "engine_options": {"find_unused_parameters": True}}, None),  # dp_replicate: the rest
+    ({"tp": 2, "data_parallel": "zero1"}, r"zero1 keeps every gradient of a param group in one partition"),
+])
+def test_a_layout_refuses_an_engine_that_cannot_run_it_naming_the_fix(options, message):
+    """And takes one that can: a replicating engine named alone replicates over what the world leaves."""
+    world = SimWorld(4 if "tp" in options else 2)
+    with pytest.raises(ValueError, match=message) if message else contextlib.nullcontext():
+        world.run(lambda r: train(world, r, "parallel", options, gpt, "32", 1, None, "norm"))
+
+
+def test_engine_options_need_the_engine_named():
+    with pytest.raises(ValueError, match="engine_options are options of one engine: name it with data_parallel"):
+        get_strategy("parallel", engine_options={"bucket_mb": 1.0})
+
+
 PARALLEL_LAYOUTS = [(2, {"tp": 2}), (2, {"tp": 2, "sequence_parallel": False}), (4, {"tp": 2, "dp_shard": 2}),
                     (4, {"dp_replicate": 2, "dp_shard": 2}), (4, {"tp": 2, "dp_replicate": 2, "dp_shard": 1}),
                     (4, {"pp": 2, "tp": 2}), (8, {"pp": 2, "tp": 2, "dp_shard": 2}), (2, {"cp": 2}),
-                    (4, {"cp": 2, "tp": 2}), (4, {"cp": 2, "dp_shard": 2, "cp_method": "all_gather"})]
+                    (4, {"cp": 2, "tp": 2}), (4, {"cp": 2, "dp_shard": 2, "cp_method": "all_gather"}),
+                    (4, {"dp_replicate": 2, "dp_shard": 2, "data_parallel": "zero3"}),
+                    (2, {"data_parallel": "zero_offload", "engine_options": {"ratio": 0.5}})]
 
 
 @pytest.mark.slow
