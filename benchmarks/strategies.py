@@ -19,6 +19,7 @@ doesn't match expected size", 9728 vs 2048 bytes, in the first compressed step).
 
     python benchmarks/strategies.py                 # reference workload (minutes)
     python benchmarks/strategies.py --smoke         # tiny model, seconds; what CI runs
+    python benchmarks/strategies.py --only "trainkit ddp,torch DDP" --rounds 40   # two variants alone
 """
 
 from __future__ import annotations
@@ -192,23 +193,26 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
     shape = (64, 128, 2) if args.smoke else (512, 2048, 4)
     batch = 8 if args.smoke else 32
     x = torch.randn(batch, shape[0], generator=torch.Generator().manual_seed(rank))
-    variants: dict[str, Step] = {
-        "torch DDP": torch_ddp_variant(shape, x),
-        "torch ZeRO (ZeroRedundancyOptimizer+DDP)": torch_ddp_variant(shape, x, zero=True),
-        "torch FSDP2 (fully_shard per block)": torch_fsdp2_variant(shape, x),
+    build: dict[str, Callable[[], Step]] = {
+        "torch DDP": lambda: torch_ddp_variant(shape, x),
+        "torch ZeRO (ZeroRedundancyOptimizer+DDP)": lambda: torch_ddp_variant(shape, x, zero=True),
+        "torch FSDP2 (fully_shard per block)": lambda: torch_fsdp2_variant(shape, x),
     }
-    variants |= {f"trainkit {name}": trainkit_variant(name, {}, env, shape, x) for name in TRAINKIT}
+    build |= {f"trainkit {name}": lambda n=name: trainkit_variant(n, {}, env, shape, x) for name in TRAINKIT}
     for r in (1, 4):
-        variants[f"trainkit ddp powersgd r{r}"] = trainkit_variant(
+        build[f"trainkit ddp powersgd r{r}"] = lambda r=r: trainkit_variant(
             "ddp", {"compression": "powersgd", "powersgd_rank": r, "powersgd_warmup_steps": 0}, env, shape, x)
-    variants["trainkit ddp + 1-bit Adam"] = trainkit_variant("ddp", {}, env, shape, x, OneBitAdam, freeze_step=1)
-    variants["2 ranks, no communication"] = local_variant(shape, x)  # what compute alone costs side by side
+    build["trainkit ddp + 1-bit Adam"] = lambda: trainkit_variant("ddp", {}, env, shape, x, OneBitAdam, freeze_step=1)
+    build["2 ranks, no communication"] = lambda: local_variant(shape, x)  # what compute alone costs side by side
     microbatches = 2 if args.smoke else 4
     for schedule, label in (("gpipe", "GPipe"), ("1f1b", "1F1B")):  # one pipeline of 2 stages: the same batch
-        variants[f"trainkit pipeline {label}"] = trainkit_pipeline_variant(schedule, env, shape, x, microbatches)
-        variants[f"torch pipelining {label}"] = torch_pipelining_variant(schedule, rank, shape, x, microbatches)
+        build[f"trainkit pipeline {label}"] = lambda s=schedule: trainkit_pipeline_variant(s, env, shape, x,
+                                                                                            microbatches)
+        build[f"torch pipelining {label}"] = lambda s=schedule: torch_pipelining_variant(s, rank, shape, x,
+                                                                                          microbatches)
+    variants = {name: make() for name, make in build.items() if not args.only or name in args.only}
     times: dict[str, list[float]] = {name: [] for name in [*variants, "1 rank, its share"]}
-    local = local_variant(shape, x) if rank == 0 else None
+    local = local_variant(shape, x) if rank == 0 and not args.only else None
     for step in variants.values():  # warm-up
         for _ in range(2):
             step()
@@ -231,7 +235,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
             times["1 rank, its share"].append((time.perf_counter() - start) / args.steps)
         dist.barrier()
     if rank == 0:
-        out.update({name: statistics.median(ts) for name, ts in times.items()})
+        out.update({name: statistics.median(ts) for name, ts in times.items() if ts})
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -241,8 +245,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny model and few steps (CI)")
-    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=24)
     parser.add_argument("--steps", type=int, default=4, help="steps per variant per round")
+    parser.add_argument("--only", type=lambda s: [n.strip() for n in s.split(",")], default=None,
+                        help='comma-separated variants to time alone, e.g. "trainkit ddp,torch DDP"')
     args = parser.parse_args()
     if args.smoke:
         args.rounds, args.steps = 2, 2
@@ -253,12 +259,18 @@ def main() -> None:
     width = max(len(n) for n in medians) + 2
     for name in ("torch DDP", "torch ZeRO (ZeroRedundancyOptimizer+DDP)", "torch FSDP2 (fully_shard per block)",
                  "torch pipelining GPipe", "torch pipelining 1F1B"):
-        print(f"{name:<{width}}{medians[name] * 1e3:>9.1f} ms")
+        if name in medians:
+            print(f"{name:<{width}}{medians[name] * 1e3:>9.1f} ms")
     for name, ref, second in REPORT:
+        if name not in medians or ref not in medians:
+            continue
+        second = second if second in medians else None
         line = f"{name:<{width}}{medians[name] * 1e3:>9.1f} ms   {medians[name] / medians[ref]:.3f}x {ref}"
         if second:
             line += f", {medians[name] / medians[second]:.3f}x {second}"
         print(line)
+    if args.only:
+        return
     share, apart = medians["1 rank, its share"], medians["2 ranks, no communication"]
     print(f"{'1 rank, its share':<{width}}{share * 1e3:>9.1f} ms")
     print(f"{'2 ranks, no communication':<{width}}{apart * 1e3:>9.1f} ms   the most efficiency this machine allows: "

@@ -27,6 +27,17 @@ def test_strategies_smoke():
     assert "trainkit ddp" in proc.stdout and "scaling efficiency" in proc.stdout
 
 
+def test_strategies_only_and_ddp_phases_smoke():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "strategies.py"), "--smoke", "--only",
+                           "trainkit ddp,torch DDP"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "x torch DDP" in proc.stdout and "trainkit zero1" not in proc.stdout, proc.stdout
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ddp_phases.py"), "--rounds", "1"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trainkit reduce_gradients" in proc.stdout and "torch DDP step" in proc.stdout, proc.stdout
+
+
 def test_cpu_optimizer_smoke():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_optimizer.py"), "--smoke"],
                           capture_output=True, text=True, timeout=600)
