@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -45,6 +45,7 @@ from trainkit_strategies.pipeline.microbatches import missing_hooks
 from trainkit_strategies.plan_comm import PlanComm
 from trainkit_strategies.precision import Precision, dtype_named
 from trainkit_strategies.registry import get_strategy, strategy_class
+from trainkit_strategies.tensor.huggingface import plan_of as hf_plan_of
 from trainkit_strategies.tensor.layers import Split
 from trainkit_strategies.tensor.plan import Applied, apply_plan
 from trainkit_strategies.wrapper import Wrapper
@@ -261,15 +262,15 @@ class ParallelStrategy(Wrapper, Parallelizes):
         engine shards what this leaves). Every tensor-parallel rank starts from tensor-parallel rank 0's values."""
         self._whole_shape = {p: tuple(p.shape) for p in module.parameters()}
         if self.tp > 1:
-            plan = getattr(module, "tensor_parallel_plan", None)
-            if not callable(plan):
+            plan = plan_for(module)
+            if plan is None:
                 raise TypeError(
                     f"Strategy 'parallel' with tp={self.tp} needs {type(module).__name__} to define "
-                    "tensor_parallel_plan() -> {submodule pattern: style} (which layers are split, and how); see "
-                    "docs/parallel.md, or run with tp=1."
+                    "tensor_parallel_plan() -> {submodule pattern: style} (which layers are split, and how), or to "
+                    "hold a Hugging Face model that declares one; see docs/parallel.md, or run with tp=1."
                 )
             self._same_start(module)
-            self.applied = apply_plan(module, plan(), self.tp_comm, self.sequence_parallel)
+            self.applied = apply_plan(module, plan, self.tp_comm, self.sequence_parallel)
         self._sync_metrics_over_data(module)
         self._parallelized = True
 
@@ -431,17 +432,28 @@ class ParallelStrategy(Wrapper, Parallelizes):
         return self._whole(self.inner.full_gradients())
 
 
+def plan_for(module: nn.Module) -> Mapping[str, Any] | None:
+    """The module's ``tensor_parallel_plan()``, or else the plan of the Hugging Face models it holds (their own,
+    with the entries sequence parallelism needs: ``tensor/huggingface.py``), or None."""
+    plan = getattr(module, "tensor_parallel_plan", None)
+    return plan() if callable(plan) else hf_plan_of(module)
+
+
 def unplanned(module: nn.Module, tp: int) -> str | None:
-    if tp > 1 and not callable(getattr(module, "tensor_parallel_plan", None)):
-        return "the module has no tensor_parallel_plan()"
-    return None
+    if tp <= 1:
+        return None
+    try:
+        found = plan_for(module)
+    except ValueError as err:
+        return str(err)
+    return None if found is not None else "the module has no tensor_parallel_plan()"
 
 
 def split_for_trace(model: nn.Module, tp: int, sequence_parallel: bool, device: torch.device) -> nn.Module:
     """``model`` with its plan applied as one tensor-parallel rank computes it, over a ``PlanComm`` (collectives
     counted, none performed: the shapes and the bytes saved for backward are a rank's)."""
     if tp > 1:
-        apply_plan(model, model.tensor_parallel_plan(), PlanComm(tp, 0, device), sequence_parallel)
+        apply_plan(model, plan_for(model) or {}, PlanComm(tp, 0, device), sequence_parallel)
     return model
 
 

@@ -169,6 +169,16 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+_HF_SMALL = dict(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=32)
+HF_CONFIGS = {  # small transformers models built offline from a config
+    "hf_llama": dict(model_type="llama", **_HF_SMALL),
+    "hf_llama_tied": dict(model_type="llama", tie_word_embeddings=True, **_HF_SMALL),
+    "hf_mistral": dict(model_type="mistral", sliding_window=None, **_HF_SMALL),
+    "hf_qwen2": dict(model_type="qwen2", **_HF_SMALL),  # biased q, k and v
+}
+
+
 def _module_and_data(case: Case, world_size: int) -> tuple[Any, Any]:
     per_replica = case.samples_per_replica or case.steps * case.accumulate * case.per_rank_batch
     samples = per_replica * case.replicas(world_size)
@@ -191,6 +201,12 @@ def _module_and_data(case: Case, world_size: int) -> tuple[Any, Any]:
         torch.manual_seed(0)
         module = Llama(vocab_size=16, max_seq_len=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64,
                        warmup_steps=2, max_steps=10, adam_eps=1e-3)
+        return module, TokenWindows(MarkovChain(16, 0.5, seed=3).sample(samples, 17, seed=4))
+    if case.model.startswith("hf_"):  # a Hugging Face model through trainkit.hf.CausalLM, its own tp plan
+        from trainkit.hf import CausalLM
+
+        torch.manual_seed(0)
+        module = CausalLM(config=HF_CONFIGS[case.model], warmup_steps=2, max_steps=10, adam_eps=1e-3)
         return module, TokenWindows(MarkovChain(16, 0.5, seed=3).sample(samples, 17, seed=4))
     if case.model in ("gpt", "gpt6"):  # tied embeddings; loss weighted by tokens; gpt6: 8 pipeline layers
         # Adam divides each gradient by its own magnitude (plus eps), so an element whose gradient is

@@ -82,9 +82,14 @@ class ColumnParallelLinear(nn.Module):
         self.weight, self.bias = linear.weight, linear.bias
         self.comm, self.sequence_parallel, self.vocab = comm, sequence_parallel, vocab
         self.in_features, self.out_features = linear.in_features, linear.out_features  # the whole layer's
+        # the module around it gathers the sequence at its input (``gather_sequence``): the input is whole here, and
+        # its gradient is summed across the group by that gather's backward (a reduce-scatter)
+        self.input_whole = False
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.sequence_parallel and self.comm.active:
+        if self.input_whole:
+            y = F.linear(x, self.weight, self.bias)
+        elif self.sequence_parallel and self.comm.active:
             y = sequence_parallel_linear(x, self.weight, self.bias, self.comm)
         else:
             y = F.linear(copy_in(x, self.comm), self.weight, self.bias)
@@ -124,8 +129,12 @@ class VocabParallelEmbedding(nn.Module):
     zeros elsewhere, and the ranks' outputs are summed (all-reduce, or reduce-scatter along the sequence under
     sequence parallelism)."""
 
-    def __init__(self, embedding: nn.Embedding, comm: Comm, sequence_parallel: bool) -> None:
+    def __init__(self, embedding: nn.Embedding, comm: Comm, sequence_parallel: bool,
+                 split_after: bool = False) -> None:
         super().__init__()
+        # ``split_after``: the output is summed whole and the sequence is split later (``split_sequence``), so the
+        # gradient reaching it is this rank's slice only: summed across the group in backward
+        self.split_after = split_after
         if embedding.max_norm is not None or embedding.sparse:
             raise ValueError("A vocabulary-parallel embedding cannot renormalise rows (max_norm) or give sparse "
                              "gradients; drop those options, or keep the embedding out of the tensor-parallel plan.")
@@ -143,7 +152,10 @@ class VocabParallelEmbedding(nn.Module):
         outside = (idx < self.lo) | (idx >= self.hi)
         partial = F.embedding((idx - self.lo).masked_fill(outside, 0), self.weight, self.padding_idx)
         partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)
-        return scatter_seq(partial, self.comm) if self.sequence_parallel else reduce_out(partial, self.comm)
+        if self.sequence_parallel:
+            return scatter_seq(partial, self.comm)
+        out = reduce_out(partial, self.comm)
+        return copy_in(out, self.comm) if self.split_after else out
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim} (this rank: rows {self.lo}-{self.hi}), "

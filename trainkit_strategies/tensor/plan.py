@@ -14,7 +14,17 @@ a style object (``Colwise(parts=3)`` for a fused q/k/v projection):
                sequence parallelism each rank keeps its slice of it
 ``heads``      an attention module: its head counts (``n_head``, ``num_key_value_heads``, ...) are divided
                by tp, for code that reshapes with them
+``gather_sequence``  an attention or MLP module: under sequence parallelism its input (a slice of the sequence)
+               is gathered whole at its input, once, and its column-parallel layers take it as it is (torchtitan's
+               ``PrepareModuleInput``); for modules that read shapes from their input, as Hugging Face attention
+               does (``attn_output.reshape(*input_shape, -1)``)
+``split_sequence``   the module where the sequence-parallel region begins: under sequence parallelism it takes
+               this rank's slice of its (whole) input; for models that make positions and masks from the whole
+               sequence after the embedding (Hugging Face's: ``"model.layers.0"``)
 =============  ===========================================================================================
+
+A layer that holds a parameter the plan splits for another layer (a tied embedding, say) must be in the plan too:
+setup fails naming it otherwise.
 
 Parameters no style splits are replicated on the tensor-parallel ranks. Under sequence parallelism they act on a
 slice of the sequence (norms, biases after a row-parallel layer, positions), so their gradients are partial sums
@@ -24,14 +34,14 @@ that the strategy all-reduces across the group; without it they see whole inputs
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
 from trainkit_strategies.comm import Comm
 from trainkit_strategies.tensor.layers import ColumnParallelLinear, RowParallelLinear, Split, VocabParallelEmbedding
-from trainkit_strategies.tensor.regions import split_seq
+from trainkit_strategies.tensor.regions import gather_seq, split_seq
 
 _HEAD_COUNT = re.compile(r"^(n|num)_(\w+_)?heads?$")  # n_head, n_kv_heads, num_attention_heads, ...
 
@@ -42,6 +52,7 @@ class Applied:
 
     splits: dict[Tensor, Split] = field(default_factory=dict)
     sequence_parallel: bool = False
+    gathered: list[nn.Module] = field(default_factory=list)  # modules whose input is gathered (gather_sequence)
 
     def replicated(self, module: nn.Module) -> list[Tensor]:
         return [p for p in module.parameters() if p not in self.splits]
@@ -102,14 +113,18 @@ class Rowwise(Style):
 
 @dataclass(frozen=True)
 class Embedding(Style):
-    """The vocabulary (rows) split."""
+    """The vocabulary (rows) split; ``whole_output``: the ranks' lookups summed whole (all-reduce) even under
+    sequence parallelism, for a model whose sequence-parallel region begins later (``split_sequence``)."""
+
+    whole_output: bool = False
 
     def apply(self, name: str, module: nn.Module, comm: Comm, sequence_parallel: bool, done: Applied) -> nn.Module:
         if not isinstance(module, nn.Embedding):
             raise TypeError(f"tensor_parallel_plan: {name!r} is a {type(module).__name__}; the 'embedding' style "
                             "applies to nn.Embedding.")
         _split(f"{name}.weight", module.weight, Split(0, comm.world_size), comm, done)
-        return VocabParallelEmbedding(module, comm, sequence_parallel)
+        return VocabParallelEmbedding(module, comm, sequence_parallel and not self.whole_output,
+                                      split_after=sequence_parallel and self.whole_output)
 
 
 @dataclass(frozen=True)
@@ -163,8 +178,47 @@ class Heads(Style):
         return module
 
 
+def _first_input(fn: Callable[[Tensor, Comm], Tensor], comm: Comm) -> Callable:
+    """A forward pre-hook applying ``fn`` to a module's first input: its first positional argument, or else its
+    ``hidden_states`` (or first tensor) keyword argument."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args and isinstance(args[0], Tensor):
+            return (fn(args[0], comm), *args[1:]), kwargs
+        key = "hidden_states" if "hidden_states" in kwargs else next(
+            (k for k, v in kwargs.items() if isinstance(v, Tensor)), None)
+        if key is None:
+            raise TypeError(f"{type(module).__name__} got no tensor input to gather or split along the sequence.")
+        return args, {**kwargs, key: fn(kwargs[key], comm)}
+
+    return hook
+
+
+@dataclass(frozen=True)
+class GatherSequence(Style):
+    """Under sequence parallelism: the module's input gathered along the sequence at its input (reduce-scattered in
+    backward); the column-parallel layers inside take it whole, the row-parallel ones still scatter their output."""
+
+    def apply(self, name: str, module: nn.Module, comm: Comm, sequence_parallel: bool, done: Applied) -> nn.Module:
+        if sequence_parallel and comm.active:
+            module.register_forward_pre_hook(_first_input(gather_seq, comm), with_kwargs=True)
+            done.gathered.append(module)  # its column-parallel layers take the input whole, once they exist
+        return module
+
+
+@dataclass(frozen=True)
+class SplitSequence(Style):
+    """Under sequence parallelism: the module takes this rank's slice of the sequence of its (whole) input."""
+
+    def apply(self, name: str, module: nn.Module, comm: Comm, sequence_parallel: bool, done: Applied) -> nn.Module:
+        if sequence_parallel and comm.active:
+            module.register_forward_pre_hook(_first_input(split_seq, comm), with_kwargs=True)
+        return module
+
+
 STYLES: dict[str, Style] = {"colwise": Colwise(), "rowwise": Rowwise(), "embedding": Embedding(),
-                            "lm_head": LMHead(), "sequence": Sequence(), "heads": Heads()}
+                            "lm_head": LMHead(), "sequence": Sequence(), "heads": Heads(),
+                            "gather_sequence": GatherSequence(), "split_sequence": SplitSequence()}
 
 
 def _pattern(pattern: str) -> re.Pattern:
@@ -209,14 +263,21 @@ def apply_plan(module: nn.Module, plan: Mapping[str, str | Style], comm: Comm, s
     done = Applied(sequence_parallel=sequence_parallel)
     targets = {id(m): (n, m) for n, m in module.named_modules(remove_duplicate=False) if n in styles and id(m) in held}
     _check_heads(scope, {key: styles[n] for key, (n, _) in targets.items()}, name_of)
+    if sequence_parallel and comm.active:
+        _check_gathered(scope, {key: styles[n] for key, (n, _) in targets.items()}, name_of)
     replaced: dict[int, nn.Module] = {}
     for key, (name, mod) in sorted(targets.items(), key=lambda kv: (-kv[1][0].count("."), kv[1][0])):
         replaced[key] = styles[name].apply(name, mod, comm, sequence_parallel, done)
+    _check_shared(scope, targets, done, name_of)
     for tree in {id(t): t for t in (module, scope)}.values():
         for parent in tree.modules():
             for child_name, child in list(parent.named_children()):
                 if id(child) in replaced and replaced[id(child)] is not child:
                     setattr(parent, child_name, replaced[id(child)])
+    for gathered in done.gathered:
+        for layer in gathered.modules():
+            if isinstance(layer, ColumnParallelLinear) and not layer.vocab:
+                layer.input_whole = True
     return done
 
 
@@ -237,6 +298,39 @@ def _check_heads(module: nn.Module, styled: dict[int, Style], name_of: dict[int,
                 f'model\'s count. Add "{_generic(name)}": "heads" to tensor_parallel_plan(): trainkit then divides the '
                 "counts by tp on every rank (harmless where the forward reshapes with -1 heads)."
             )
+
+
+def _check_gathered(module: nn.Module, styled: dict[int, Style], name_of: dict[int, str]) -> None:
+    """Under sequence parallelism a Hugging Face module holding column-parallel layers reshapes its output with its
+    input's shape (a slice of the sequence): fail at setup naming the entry that gathers its input."""
+    for mod in module.modules():
+        if not type(mod).__module__.startswith("transformers.") or isinstance(styled.get(id(mod)), GatherSequence):
+            continue
+        if any(isinstance(styled.get(id(c)), Colwise) for c in mod.children()):
+            name = name_of.get(id(mod), type(mod).__name__)
+            raise ValueError(
+                f"{name} ({type(mod).__name__}, from transformers) reads the shape of its input, which under "
+                "sequence parallelism is a slice of the sequence: add "
+                f'"{_generic(name)}": "gather_sequence" to tensor_parallel_plan() (its input is then gathered '
+                "whole once, at the module), or run with sequence_parallel=False."
+            )
+
+
+def _check_shared(module: nn.Module, targets: dict[int, tuple[str, nn.Module]], done: Applied,
+                  name_of: dict[int, str]) -> None:
+    """A layer outside the plan holding a parameter the plan split (a tied embedding) would compute with a slice as
+    if it were whole: fail naming it."""
+    for mod in module.modules():
+        if id(mod) in targets:
+            continue
+        for pname, p in mod.named_parameters(recurse=False):
+            if p in done.splits:
+                name = name_of.get(id(mod), type(mod).__name__)
+                raise ValueError(
+                    f"{name}.{pname} is shared with a layer tensor_parallel_plan() splits, but {name} is not in the "
+                    f"plan, so it would compute with this rank's slice as if it were whole: add {_generic(name)!r} to "
+                    "the plan (an nn.Embedding tied to the head: 'embedding')."
+                )
 
 
 def _generic(name: str) -> str:

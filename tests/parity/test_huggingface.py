@@ -1,0 +1,44 @@
+"""Hugging Face models (``trainkit.hf.CausalLM`` around ``transformers``' Llama, Mistral and Qwen2, built from small
+configs offline) under strategy="parallel" against one process on the same global batches, fp32 within 1e-5, with
+accumulation and clipping, with no plan written: the models' own tensor-parallel plans, plus the entries sequence
+parallelism needs (the sequence gathered at attention's and the MLP's input, split at the first decoder layer)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.parity.harness import Case, assert_parity, run_reference, run_world
+
+pytestmark = pytest.mark.slow  # processes of their own (see conftest.py)
+
+MODELS = ("hf_llama", "hf_mistral", "hf_qwen2")
+
+
+def _cases(world: int) -> list[Case]:
+    layouts = {2: {"tp2": {"tp": 2}, "tp2-no-sp": {"tp": 2, "sequence_parallel": False}},
+               4: {"tp2-dps2": {"tp": 2, "dp_shard": 2}}}[world]
+    cases = [Case(f"{name}-{model}", "parallel", options, model=model, accumulate=2, clip=0.05)
+             for name, options in layouts.items() for model in MODELS]
+    if world == 2:  # a head tied to the embedding: both split by vocabulary, the embedding's lookups summed whole
+        cases.append(Case("tp2-hf_llama_tied", "parallel", {"tp": 2}, model="hf_llama_tied", accumulate=2, clip=0.05))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict:
+    return run_world(2, _cases(2))
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> dict:
+    return run_world(4, _cases(4))
+
+
+@pytest.mark.parametrize("case", _cases(2), ids=lambda c: c.name)
+def test_two_ranks_match_single_process(two_ranks, case):
+    assert_parity(two_ranks[case.name], run_reference(case, 2), case.tolerance())
+
+
+@pytest.mark.parametrize("case", _cases(4), ids=lambda c: c.name)
+def test_four_ranks_match_single_process(four_ranks, case):
+    assert_parity(four_ranks[case.name], run_reference(case, 4), case.tolerance())

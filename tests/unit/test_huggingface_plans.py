@@ -1,0 +1,78 @@
+"""Tensor-parallel plans for Hugging Face models: the model's own plan turned into trainkit's (with the entries
+sequence parallelism needs), and the errors a plan that cannot work gets at setup, naming the entry to change."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from tests.e2e.cli_runs import ROOT
+from trainkit_strategies.plan_comm import PlanComm
+from trainkit_strategies.tensor.huggingface import plan_of
+from trainkit_strategies.tensor.plan import Embedding, GatherSequence, SplitSequence, apply_plan
+
+SMALL = dict(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=32)
+
+
+def _llama(**extra):
+    from trainkit.hf import CausalLM
+
+    torch.manual_seed(0)
+    return CausalLM(config=dict(model_type="llama", **SMALL, **extra))
+
+
+def test_the_models_own_plan_becomes_trainkits_with_the_sequence_parallel_entries():
+    plan = plan_of(_llama())
+    assert plan["model.model.layers.*.self_attn.q_proj"] == "colwise"
+    assert plan["model.model.layers.*.self_attn.o_proj"] == "rowwise"
+    assert plan["model.model.layers.*.mlp.down_proj"] == "rowwise"
+    assert plan["model.lm_head"] == "lm_head"  # Hugging Face's colwise_gather_output: logits split by vocabulary
+    assert plan["model.model.layers.0"] == SplitSequence()  # positions and the mask are made from the whole sequence
+    assert plan["model.model.layers.*.self_attn"] == plan["model.model.layers.*.mlp"] == GatherSequence()
+    assert "model.model.embed_tokens" not in plan  # replicated, as the model's plan leaves it
+    assert plan_of(_llama(tie_word_embeddings=True))["model.model.embed_tokens"] == Embedding(whole_output=True)
+    assert plan_of(torch.nn.Linear(2, 2)) is None
+
+
+def test_a_style_trainkit_does_not_run_is_an_error_naming_the_entry():
+    module = _llama()
+    module.model.config.base_model_tp_plan = {"layers.*.mlp.gate_up_proj": "packed_colwise"}
+    with pytest.raises(ValueError, match=r"gives 'model.model.layers.\*.mlp.gate_up_proj' the style 'packed_colwise'"):
+        plan_of(module)
+
+
+def test_a_user_plan_without_gather_sequence_names_the_entry_under_sequence_parallelism():
+    module = _llama()
+    plan = {k: v for k, v in plan_of(module).items() if isinstance(v, str)}  # the projections only
+    with pytest.raises(ValueError, match=r'add "model.model.layers.\*.self_attn": "gather_sequence"'):
+        apply_plan(module, plan, PlanComm(2), sequence_parallel=True)
+    apply_plan(_llama(), plan, PlanComm(2), sequence_parallel=False)  # without it the input is whole: nothing needed
+
+
+def test_a_tied_embedding_left_out_of_the_plan_is_named():
+    module = _llama(tie_word_embeddings=True)
+    plan = {k: v for k, v in plan_of(module).items() if "embed_tokens" not in k}
+    with pytest.raises(ValueError, match=r"model.model.embed_tokens.weight is shared with a layer .* 'embedding'"):
+        apply_plan(module, plan, PlanComm(2), sequence_parallel=True)
+
+
+def test_transformers_stays_optional(monkeypatch):
+    """No library module imports transformers when it is imported (only trainkit.hf's functions do, when called),
+    and CausalLM without it says what to install."""
+    import ast
+
+    for package in ("trainkit", "trainkit_strategies"):
+        for path in (ROOT / package).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            for node in tree.body:  # module level only
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                assert not any(n.split(".")[0] == "transformers" for n in names), path
+    from trainkit.hf import CausalLM
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ImportError, match=r"trainkit\.hf needs Hugging Face transformers: pip install transformers"):
+        CausalLM(config={"model_type": "llama"})

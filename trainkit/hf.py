@@ -1,0 +1,112 @@
+"""Hugging Face causal language models as a ready ``TrainModule``: ``--model trainkit.hf.CausalLM``.
+
+    trainkit fit --model trainkit.hf.CausalLM --model.config '{"model_type": "llama", "hidden_size": 64, ...}'
+    trainkit fit --model trainkit.hf.CausalLM --model.pretrained path/to/local/dir
+
+The model is built with ``transformers`` (an optional dependency: ``pip install transformers``) from a config (a
+dict with ``model_type``, or a path to a ``config.json`` or a directory holding one) or loaded from a local
+directory. Its tensor-parallel plan is the model's own (``config.base_model_tp_plan``; see
+``trainkit_strategies/tensor/huggingface.py``), so ``--trainer.strategy parallel --trainer.strategy.tp 2`` needs no
+plan written. A batch is ``(input_ids, labels)``, labels already shifted (``examples/gpt.py``'s loader, the demo's
+Markov windows); the loss is the mean cross-entropy over the labels' tokens (``-100`` ignored).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from trainkit.module import TrainModule
+
+IGNORE = -100
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as err:
+        raise ImportError("trainkit.hf needs Hugging Face transformers: pip install transformers") from err
+    return transformers
+
+
+def build_config(config: dict[str, Any] | str) -> Any:
+    """A ``PretrainedConfig`` from a dict (with ``model_type``), a ``config.json`` or a directory holding one."""
+    transformers = _transformers()
+    if isinstance(config, str):
+        path = Path(config)
+        if path.is_dir():
+            return transformers.AutoConfig.from_pretrained(str(path))
+        config = json.loads(path.read_text())
+    options = dict(config)
+    model_type = options.pop("model_type", None)
+    if model_type is None:
+        raise ValueError("trainkit.hf.CausalLM config needs a model_type (llama, mistral, qwen2, gpt2, ...).")
+    return transformers.AutoConfig.for_model(model_type, **options)
+
+
+class CausalLM(TrainModule):
+    """A Hugging Face causal language model trained on next-token prediction.
+
+    Args:
+        config: the model's configuration (a dict with ``model_type``, or a path to a config.json or its directory);
+            the weights start from the model's own initialisation, seeded by the run.
+        pretrained: a local directory ``from_pretrained`` loads (weights and config); instead of ``config``.
+        lr, weight_decay, warmup_steps, max_steps, adam_eps: AdamW (betas 0.9, 0.95) with linear warmup and cosine
+            decay to 10%; norms, biases and embeddings without weight decay.
+        attn_implementation: Hugging Face's attention kernel ("sdpa", "eager").
+    """
+
+    def __init__(self, config: dict[str, Any] | str | None = None, pretrained: str | None = None, lr: float = 3e-4,
+                 weight_decay: float = 0.1, warmup_steps: int = 100, max_steps: int = 2000, adam_eps: float = 1e-8,
+                 attn_implementation: str = "sdpa") -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if (config is None) == (pretrained is None):
+            raise ValueError("trainkit.hf.CausalLM needs exactly one of config= (a new model) or pretrained= (a local "
+                             "directory to load).")
+        transformers = _transformers()
+        if pretrained is not None:
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(
+                pretrained, attn_implementation=attn_implementation)
+        else:
+            self.model = transformers.AutoModelForCausalLM.from_config(
+                build_config(config), attn_implementation=attn_implementation)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+    def _loss(self, logits: Tensor, labels: Tensor) -> Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Any]:
+        x, y = batch
+        loss = self._loss(self(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return {"loss": loss, "num_items": (y != IGNORE).sum()}
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", self._loss(self(x), y), prog_bar=True, sync_dist=True, batch_size=x.shape[0])
+
+    def configure_optimizers(self) -> dict:
+        hp = self.hparams
+        decay = [p for n, p in self.named_parameters() if p.dim() >= 2 and "embed" not in n]
+        rest = [p for n, p in self.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": hp.weight_decay},
+                                       {"params": rest, "weight_decay": 0.0}], lr=hp.lr, betas=(0.9, 0.95),
+                                      eps=hp.adam_eps)
+
+        def schedule(step: int) -> float:
+            if step < hp.warmup_steps:
+                return (step + 1) / hp.warmup_steps
+            progress = min(1.0, (step - hp.warmup_steps) / max(1, hp.max_steps - hp.warmup_steps))
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
