@@ -138,3 +138,24 @@ class Mesh:
         if key not in self._comms:
             raise KeyError(f"The mesh was not built with a group along {key}; add it to the axes it is made with.")
         return self._comms[key]
+
+
+def check_degrees(**degrees: int | None) -> None:
+    bad = [f"{k}={v}" for k, v in degrees.items() if v is not None and (not isinstance(v, int) or v < 1)]
+    if bad:
+        raise ValueError(f"parallel: every degree must be a whole number of at least 1; got {', '.join(bad)}.")
+
+
+def resolve_layout(world_size: int, ranks_per_node: int, tp_across_nodes: bool, pp: int, tp: int, dp_replicate: int,
+                   dp_shard: int | None, cp: int = 1) -> Layout:
+    """The layout of these degrees at ``world_size`` (``dp_shard`` None: what the others leave), checked."""
+    if dp_shard is None:
+        rest = pp * tp * dp_replicate * cp
+        if world_size % rest:
+            raise ValueError(f"parallel: pp={pp} x tp={tp} x cp={cp} x dp_replicate={dp_replicate} = {rest} does not "
+                             f"divide the {world_size} ranks; choose degrees whose product divides the world "
+                             "(dp_shard takes what is left).")
+        dp_shard = world_size // rest
+    layout = Layout(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)
+    layout.check(world_size, ranks_per_node or None, tp_across_nodes)
+    return layout

@@ -36,9 +36,10 @@ from trainkit_strategies import state as st
 from trainkit_strategies.base import Strategy
 from trainkit_strategies.capabilities import Parallelizes, RunsSchedule, StepsInBackward
 from trainkit_strategies.comm import Comm
+from trainkit_strategies.context.huggingface import adopt as adopt_huggingface
 from trainkit_strategies.context.ring import METHODS, ContextParallel, context_parallel, shard_sequence
 from trainkit_strategies.environment import Environment
-from trainkit_strategies.layout import Layout, Mesh
+from trainkit_strategies.layout import Layout, Mesh, check_degrees, resolve_layout
 from trainkit_strategies.norms import combine_norm
 from trainkit_strategies.pipeline.executor import STAGE_AXES, Pipeline, check_schedule
 from trainkit_strategies.pipeline.microbatches import missing_hooks
@@ -271,6 +272,8 @@ class ParallelStrategy(Wrapper, Parallelizes):
                 )
             self._same_start(module)
             self.applied = apply_plan(module, plan, self.tp_comm, self.sequence_parallel)
+        if self.cp > 1:
+            adopt_huggingface(module)  # Hugging Face attention across the cp group, with the rank's positions
         self._sync_metrics_over_data(module)
         self._parallelized = True
 
@@ -455,24 +458,3 @@ def split_for_trace(model: nn.Module, tp: int, sequence_parallel: bool, device: 
     if tp > 1:
         apply_plan(model, plan_for(model) or {}, PlanComm(tp, 0, device), sequence_parallel)
     return model
-
-
-def check_degrees(**degrees: int | None) -> None:
-    bad = [f"{k}={v}" for k, v in degrees.items() if v is not None and (not isinstance(v, int) or v < 1)]
-    if bad:
-        raise ValueError(f"parallel: every degree must be a whole number of at least 1; got {', '.join(bad)}.")
-
-
-def resolve_layout(world_size: int, ranks_per_node: int, tp_across_nodes: bool, pp: int, tp: int, dp_replicate: int,
-                   dp_shard: int | None, cp: int = 1) -> Layout:
-    """The layout of these degrees at ``world_size`` (``dp_shard`` None: what the others leave), checked."""
-    if dp_shard is None:
-        rest = pp * tp * dp_replicate * cp
-        if world_size % rest:
-            raise ValueError(f"parallel: pp={pp} x tp={tp} x cp={cp} x dp_replicate={dp_replicate} = {rest} does not "
-                             f"divide the {world_size} ranks; choose degrees whose product divides the world "
-                             "(dp_shard takes what is left).")
-        dp_shard = world_size // rest
-    layout = Layout(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)
-    layout.check(world_size, ranks_per_node or None, tp_across_nodes)
-    return layout

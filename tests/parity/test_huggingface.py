@@ -1,7 +1,9 @@
 """Hugging Face models (``trainkit.hf.CausalLM`` around ``transformers``' Llama, Mistral and Qwen2, built from small
 configs offline) under strategy="parallel" against one process on the same global batches, fp32 within 1e-5, with
 accumulation and clipping, with no plan written: the models' own tensor-parallel plans, plus the entries sequence
-parallelism needs (the sequence gathered at attention's and the MLP's input, split at the first decoder layer)."""
+parallelism needs (the sequence gathered at attention's and the MLP's input, split at the first decoder layer); under
+context parallelism their attention runs trainkit's ring through transformers' AttentionInterface, with the rank's
+real positions."""
 
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ MODELS = ("hf_llama", "hf_mistral", "hf_qwen2")
 
 
 def _cases(world: int) -> list[Case]:
-    layouts = {2: {"tp2": {"tp": 2}, "tp2-no-sp": {"tp": 2, "sequence_parallel": False}},
-               4: {"tp2-dps2": {"tp": 2, "dp_shard": 2}}}[world]
+    layouts = {2: {"tp2": {"tp": 2}, "tp2-no-sp": {"tp": 2, "sequence_parallel": False}, "cp2": {"cp": 2}},
+               4: {"tp2-dps2": {"tp": 2, "dp_shard": 2}, "cp2-tp2": {"cp": 2, "tp": 2}}}[world]
     cases = [Case(f"{name}-{model}", "parallel", options, model=model, accumulate=2, clip=0.05)
              for name, options in layouts.items() for model in MODELS]
     if world == 2:  # a head tied to the embedding: both split by vocabulary, the embedding's lookups summed whole
