@@ -29,6 +29,7 @@ class _Entry:
     reduce_fx: str
     sync_dist: bool
     last: Any = None
+    last_weight: float = 1.0  # the latest value's batch_size (its items), for the mean over context-parallel ranks
     total: Tensor | None = None
     weight: float = 0.0
     metric: Metric | None = None
@@ -38,8 +39,12 @@ class _Entry:
 class Results:
     """Logged values, kept per loop ("train", "validate", "test", "predict"); ``loop`` is the running one."""
 
-    def __init__(self, reduce: Callable[[Tensor, str], Tensor]) -> None:
+    def __init__(self, reduce: Callable[[Tensor, str], Tensor],
+                 reduce_tokens: Callable[[Tensor, str], Tensor | None] = lambda t, op: None) -> None:
         self._reduce = reduce
+        # values a rank logs describe its chunks of the samples under context parallelism: those without sync_dist
+        # are combined over the ranks holding the other chunks (weighted by batch_size) before they become numbers
+        self._reduce_tokens = reduce_tokens
         self.loop = "train"
         self.batch: Any = None  # the batch being processed: epoch means weight by its size by default
         self.epoch_end = False  # inside an epoch-end hook: values default to per-epoch
@@ -78,6 +83,7 @@ class Results:
         elif not isinstance(value, int | float):
             raise TypeError(f"self.log({name!r}) needs a number, a scalar tensor or a Metric; got {type(value)}.")
         entry.last = value
+        entry.last_weight = 1.0 if batch_size is None else float(batch_size)
         if entry.on_epoch:
             if batch_size is None:
                 batch_size = infer_batch_size(self.batch) or 1
@@ -102,8 +108,20 @@ class Results:
         if isinstance(value, Tensor):
             if entry.sync_dist:
                 value = self._reduce(value.float(), entry.reduce_fx)
+            else:
+                value = self._over_tokens(value.float(), entry.last_weight, entry.reduce_fx)
             return float(value.item())
         return float(value)
+
+    def _over_tokens(self, value: Tensor, weight: float, fx: str) -> Tensor:
+        """``value`` combined over the context-parallel ranks (the mean weighted by ``weight``); as it is elsewhere."""
+        if fx != "mean":
+            reduced = self._reduce_tokens(value, fx)
+            return value if reduced is None else reduced
+        pair = self._reduce_tokens(torch.stack([value.reshape(()) * weight,
+                                                torch.full((), weight, dtype=value.dtype, device=value.device)]),
+                                   "sum")
+        return value if pair is None else pair[0] / pair[1]
 
     def step_metrics(self, logger_only: bool = True) -> dict[str, float]:
         """Latest per-step values (reduced when ``sync_dist``): call at a point every rank reaches."""
@@ -132,6 +150,13 @@ class Results:
                         total, weight = pair[0], pair[1]
                     else:
                         total = self._reduce(total, e.reduce_fx)
+                elif e.reduce_fx == "mean":  # over the context-parallel ranks, if any
+                    weights = torch.tensor(weight, dtype=total.dtype, device=total.device)
+                    pair = self._reduce_tokens(torch.stack([total, weights]), "sum")
+                    total, weight = (total, weight) if pair is None else (pair[0], pair[1])
+                else:
+                    reduced = self._reduce_tokens(total, e.reduce_fx)
+                    total = total if reduced is None else reduced
                 out[key] = float(total / weight) if e.reduce_fx == "mean" else float(total)
                 e.total, e.weight = None, 0.0
             if key in out:

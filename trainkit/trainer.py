@@ -229,7 +229,8 @@ class Trainer(TrainerProperties):
         self.state = "idle"  # "fit", "validate", "test" or "predict" while one runs
         self.progress = Progress()
         # both ask for the strategy when they use it: strategy="auto" decides it when fit starts
-        self.results = Results(lambda t, op: self.strategy.reduce(t, op))  # what ``self.log`` records
+        self.results = Results(lambda t, op: self.strategy.reduce(t, op),  # what ``self.log`` records
+                               lambda t, op: self.strategy.reduce_tokens(t, op))
         self.data = DataConnector(lambda: self.strategy, self.precision, use_distributed_sampler, seed or 0)
         self.fit_loop: FitLoop | None = None  # the loops of the current (or last) run
         self._hooks: HookDispatch | None = None  # the current run's

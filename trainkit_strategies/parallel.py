@@ -52,7 +52,7 @@ from trainkit_strategies.tensor.plan import Applied, apply_plan
 from trainkit_strategies.wrapper import Wrapper
 
 AXES_USED = [("tp",), ("dp_shard", "cp"), ("dp_replicate",), ("dp_replicate", "dp_shard", "cp"),
-             ("pp", "dp_replicate", "dp_shard", "cp")]
+             ("pp", "dp_replicate", "dp_shard", "cp"), ("cp",)]
 ENGINES = ("ddp", "zero1", "zero2", "zero_offload", "zero3", "fsdp")  # every one-axis preset is one of these
 
 
@@ -394,6 +394,15 @@ class ParallelStrategy(Wrapper, Parallelizes):
         out = tensor.detach().clone().to(self.device)
         self.items_comm.all_reduce(out, "sum" if op == "mean" else op)
         return out / self.items_comm.world_size if op == "mean" else out
+
+    def reduce_tokens(self, tensor: Tensor, op: str = "sum") -> Tensor | None:
+        """Across the context-parallel group (its ranks hold the other chunks of this rank's sequences)."""
+        cp = self.mesh.comm("cp") if self.mesh is not None else None
+        if cp is None or not cp.active:
+            return None
+        out = tensor.detach().clone().to(self.device)
+        cp.all_reduce(out, op)
+        return out
 
     # -- state -------------------------------------------------------------------------------------
     def state_layout(self) -> st.StateLayout:

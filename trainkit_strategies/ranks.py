@@ -59,6 +59,11 @@ class Ranks:
         self.comm.all_reduce(out, "sum" if op == "mean" else op)
         return out / self.world_size if op == "mean" else out
 
+    def reduce_tokens(self, tensor: Tensor, op: str = "sum") -> Tensor | None:
+        """Reduce across the ranks holding other tokens of this rank's samples (context parallelism's group), for
+        values a module logs about its samples; None where no other rank holds any (no communication)."""
+        return None
+
     def all_gather(self, tensor: Tensor) -> Tensor:
         """Stack every rank's ``tensor`` (same shape on all ranks) along a new first dimension."""
         src = tensor.detach().contiguous().to(self.device)

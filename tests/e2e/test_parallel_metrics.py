@@ -51,3 +51,27 @@ def test_a_metric_counts_each_sample_once(tmp_path, devices, options):
     assert proc.returncode == 0, proc.stderr[-4000:]
     seen = scalars(tmp_path, "val_seen")
     assert seen and all(v == VAL_SEQUENCES for v in seen.values()), seen
+
+
+def _fit(tmp_path, devices: int, options: list[str]) -> dict[int, float]:
+    cmd = [sys.executable, "-m", "trainkit.cli", "fit", "--model.n_layer", "2", "--trainer.accelerator",
+           accelerator_for(devices), "--trainer.devices", str(devices), *options, "--trainer.max_steps", "4",
+           "--trainer.log_every_n_steps", "1", "--trainer.default_root_dir", str(tmp_path),
+           "--trainer.enable_progress_bar", "false", "--trainer.timeout_s", "120", "--trainer.limit_val_batches", "0",
+           "--data", "trainkit.demo.markov.MarkovData", "--data.train_sequences", "32", "--data.val_sequences", "8",
+           "--data.batch_size", "4"]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    tmp_path.mkdir()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return scalars(tmp_path, "train_loss")
+
+
+def test_a_logged_loss_under_context_parallelism_is_the_sequences_not_a_ranks_chunks(tmp_path):
+    """Under cp=2 each rank's loss covers its two chunks of every sequence; what reaches TensorBoard is the loss over
+    the whole sequences (combined over the cp group, weighted by items), equal to one process's."""
+    single = _fit(tmp_path / "single", 1, ["--trainer.strategy", "single"])
+    cp = _fit(tmp_path / "cp", 2, ["--trainer.strategy", "parallel", "--trainer.strategy.cp", "2"])
+    assert len(single) == 4 and single.keys() == cp.keys()
+    for step, value in single.items():
+        assert abs(cp[step] - value) <= 1e-5 * max(1.0, abs(value)), (step, cp[step], value)
