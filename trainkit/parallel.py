@@ -15,7 +15,18 @@ from __future__ import annotations
 
 from trainkit_strategies.context.ring import attention, positions
 from trainkit_strategies.tensor.loss import VocabShard
-from trainkit_strategies.tensor.plan import STYLES, Colwise, Embedding, Heads, LMHead, Rowwise, Sequence, Style
+from trainkit_strategies.tensor.plan import (
+    STYLES,
+    Colwise,
+    Embedding,
+    GatherSequence,
+    Heads,
+    LMHead,
+    Rowwise,
+    Sequence,
+    SplitSequence,
+    Style,
+)
 
-__all__ = ["STYLES", "Colwise", "Embedding", "Heads", "LMHead", "Rowwise", "Sequence", "Style", "VocabShard",
-           "attention", "positions"]
+__all__ = ["STYLES", "Colwise", "Embedding", "GatherSequence", "Heads", "LMHead", "Rowwise", "Sequence", "SplitSequence",
+           "Style", "VocabShard", "attention", "positions"]
