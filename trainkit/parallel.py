@@ -28,5 +28,5 @@ from trainkit_strategies.tensor.plan import (
     Style,
 )
 
-__all__ = ["STYLES", "Colwise", "Embedding", "GatherSequence", "Heads", "LMHead", "Rowwise", "Sequence", "SplitSequence",
-           "Style", "VocabShard", "attention", "positions"]
+__all__ = ["STYLES", "Colwise", "Embedding", "GatherSequence", "Heads", "LMHead", "Rowwise", "Sequence",
+           "SplitSequence", "Style", "VocabShard", "attention", "positions"]
