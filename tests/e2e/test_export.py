@@ -199,3 +199,68 @@ def test_export_of_a_missing_submodule_names_the_ones_there(tmp_path):
     with pytest.raises(CheckpointError, match="no tensors of a submodule 'gpt'; its model's top-level submodules "
                                               "are: net"):
         export(tmp_path / "checkpoints", tmp_path / "out", submodule="gpt")
+
+
+CAUSAL_LM = '''
+import json
+import sys
+import torch
+from torch.utils.data import DataLoader
+import trainkit as tk
+from trainkit.demo.markov import MarkovChain, TokenWindows
+from trainkit.hf import CausalLM
+from trainkit_strategies import get_strategy
+
+CONFIG = dict(model_type="llama", vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+
+if __name__ == "__main__":
+    root, devices, options = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+    torch.manual_seed(0)
+    module = CausalLM(config=CONFIG, warmup_steps=2, max_steps=4)
+    data = TokenWindows(MarkovChain(16, 0.5, seed=3).sample(32, 17, seed=4))
+    trainer = tk.Trainer(devices=devices, accelerator="cpu", strategy=get_strategy("parallel", **options),
+                         max_steps=4, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=root, timeout_s=120)
+    trainer.fit(module, DataLoader(data, batch_size=4))
+    whole = trainer.strategy.full_parameters()  # every parameter whole, gathered from its parts
+    if trainer.is_global_zero:
+        trained = CausalLM(config=CONFIG)
+        loaded = trained.load_state_dict({k: v.detach().cpu() for k, v in whole.items()}, strict=False)
+        assert not set(loaded.missing_keys) & set(dict(trained.named_parameters())), loaded.missing_keys
+        trained.eval()
+        with torch.no_grad():
+            torch.save(trained(data[0][0].unsqueeze(0)), root + "/logits.pt")
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("devices", "options"), [(4, {"tp": 2, "dp_shard": 2}), (2, {"cp": 2})],
+                         ids=["tp2-dp_shard2", "cp2"])
+def test_a_hugging_face_model_trained_on_a_mesh_exports_for_from_pretrained(tmp_path, devices, options):
+    """trainkit.hf.CausalLM (a transformers Llama) trained under tp=2 x dp_shard=2 and under cp=2, exported with
+    ``--submodule model``: ``AutoModelForCausalLM.from_pretrained`` loads the directory as-is and gives the trained
+    model's logits (its parameters gathered whole from the ranks' parts) within 1e-5."""
+    import json
+
+    import transformers
+
+    script = tmp_path / "train_causal_lm.py"
+    script.write_text(CAUSAL_LM)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(devices), json.dumps(options)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", "trainkit.cli", "export", str(tmp_path / "checkpoints"), str(out),
+                           "--submodule", "model"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.hidden_size == 32
+    from trainkit.demo.markov import MarkovChain, TokenWindows
+
+    x = TokenWindows(MarkovChain(16, 0.5, seed=3).sample(32, 17, seed=4))[0][0].unsqueeze(0)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=x).logits
+    torch.testing.assert_close(logits, torch.load(tmp_path / "logits.pt"), rtol=0, atol=1e-5)
