@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import json
 import math
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from trainkit.module import TrainModule
+from trainkit_strategies.context.ring import positions
 
 IGNORE = -100
 
@@ -50,6 +52,46 @@ def build_config(config: dict[str, Any] | str) -> Any:
     return transformers.AutoConfig.for_model(model_type, **options)
 
 
+def _positions(rotary: nn.Module, attention: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Rotary position embeddings for an attention module called without them (a pipeline stage's), from the length
+    of the sequence it attends over."""
+    if kwargs.get("position_embeddings") is not None:
+        return None
+    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    ids = positions(hidden.shape[-2], hidden.device).unsqueeze(0)
+    return args, {**kwargs, "position_embeddings": rotary(hidden, position_ids=ids)}
+
+
+class _Embed(nn.Module):
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = base.embed_tokens
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.embed_tokens(input_ids)
+
+
+class _Layer(nn.Module):
+    """A decoder layer called with the hidden states alone (causal attention, positions from its attention hook)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        out = self.layer(hidden, attention_mask=None)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class _Head(nn.Module):
+    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(self.norm(hidden))
+
+
 class CausalLM(TrainModule):
     """A Hugging Face causal language model trained on next-token prediction.
 
@@ -71,6 +113,7 @@ class CausalLM(TrainModule):
             raise ValueError("trainkit.hf.CausalLM needs exactly one of config= (a new model) or pretrained= (a local "
                              "directory to load).")
         transformers = _transformers()
+        self._stage_hooks = False  # pipeline_layers() added the attention modules' position hooks
         if pretrained is not None:
             self.model = transformers.AutoModelForCausalLM.from_pretrained(
                 pretrained, attn_implementation=attn_implementation)
@@ -80,6 +123,21 @@ class CausalLM(TrainModule):
 
     def forward(self, input_ids: Tensor) -> Tensor:
         return self.model(input_ids=input_ids, use_cache=False).logits
+
+    # -- pipeline stages: the embedding, each decoder layer, the final norm with the head -----------------
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The model as a chain of modules for ``pipeline`` and ``parallel --pp``. Between stages only the hidden
+        states travel: each attention module makes its rotary position embeddings from the length of the sequence
+        it attends over (after sequence parallelism gathered it), and causal attention needs no mask."""
+        base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+        if not self._stage_hooks:
+            for layer in base.layers:
+                layer.self_attn.register_forward_pre_hook(partial(_positions, base.rotary_emb), with_kwargs=True)
+            self._stage_hooks = True
+        return [_Embed(base), *(_Layer(layer) for layer in base.layers), _Head(base.norm, self.model.lm_head)]
+
+    def pipeline_loss(self, logits: Tensor, batch: tuple[Tensor, Tensor]) -> dict[str, Any]:
+        return {"loss": self._loss(logits, batch[1]), "num_items": (batch[1] != IGNORE).sum()}
 
     def _loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE)

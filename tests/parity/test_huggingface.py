@@ -17,8 +17,10 @@ MODELS = ("hf_llama", "hf_mistral", "hf_qwen2")
 
 
 def _cases(world: int) -> list[Case]:
-    layouts = {2: {"tp2": {"tp": 2}, "tp2-no-sp": {"tp": 2, "sequence_parallel": False}, "cp2": {"cp": 2}},
-               4: {"tp2-dps2": {"tp": 2, "dp_shard": 2}, "cp2-tp2": {"cp": 2, "tp": 2}}}[world]
+    layouts = {2: {"tp2": {"tp": 2}, "tp2-no-sp": {"tp": 2, "sequence_parallel": False}, "cp2": {"cp": 2},
+                   "pp2": {"pp": 2}},
+               4: {"tp2-dps2": {"tp": 2, "dp_shard": 2}, "cp2-tp2": {"cp": 2, "tp": 2}, "pp2-tp2": {"pp": 2, "tp": 2}}
+               }[world]
     cases = [Case(f"{name}-{model}", "parallel", options, model=model, accumulate=2, clip=0.05)
              for name, options in layouts.items() for model in MODELS]
     if world == 2:  # a head tied to the embedding: both split by vocabulary, the embedding's lookups summed whole
