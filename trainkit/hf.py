@@ -129,7 +129,12 @@ class CausalLM(TrainModule):
         """The model as a chain of modules for ``pipeline`` and ``parallel --pp``. Between stages only the hidden
         states travel: each attention module makes its rotary position embeddings from the length of the sequence
         it attends over (after sequence parallelism gathered it), and causal attention needs no mask."""
-        base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+        base = getattr(self.model, self.model.base_model_prefix, self.model)
+        missing = [a for a in ("embed_tokens", "layers", "rotary_emb", "norm") if not hasattr(base, a)]
+        if missing:
+            raise TypeError(f"trainkit.hf.CausalLM cuts pipeline stages of Llama-family models (embed_tokens, layers, "
+                            f"rotary_emb, norm); {type(self.model).__name__} has no {', '.join(missing)}: train it "
+                            "without pipeline stages (tp, cp, dp_shard and dp_replicate all work).")
         if not self._stage_hooks:
             for layer in base.layers:
                 layer.self_attn.register_forward_pre_hook(partial(_positions, base.rotary_emb), with_kwargs=True)

@@ -176,6 +176,8 @@ HF_CONFIGS = {  # small transformers models built offline from a config
     "hf_llama_tied": dict(model_type="llama", tie_word_embeddings=True, **_HF_SMALL),
     "hf_mistral": dict(model_type="mistral", sliding_window=None, **_HF_SMALL),
     "hf_qwen2": dict(model_type="qwen2", **_HF_SMALL),  # biased q, k and v
+    "hf_gpt2": dict(model_type="gpt2", vocab_size=16, n_positions=32, n_embd=32, n_layer=2, n_head=4,  # Conv1D,
+                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),  # tied head
 }
 
 

@@ -21,9 +21,29 @@ from typing import Any
 
 from torch import nn
 
-from trainkit_strategies.tensor.plan import Embedding, GatherSequence, SplitSequence
+from trainkit_strategies.tensor.plan import (
+    Colwise,
+    Embedding,
+    GatherOutput,
+    GatherSequence,
+    Heads,
+    LMHead,
+    Rowwise,
+    SplitSequence,
+)
 
 STYLE_NAMES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_gather_output": "lm_head"}
+
+# Plans for architectures Hugging Face ships without one: (the base model's entries, the head's), in its names,
+# as trainkit's style objects.
+# GPT-2's Conv1D layers hold their weights as [in, out] (the styles split them along the matching dimension); its
+# q, k and v are one fused projection, and its attention splits that projection's output by ``split_size``.
+KNOWN_PLANS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    # the final hidden states are reshaped with the input's shape after ln_f: the sequence is gathered whole there
+    "gpt2": ({"h.*.attn.c_attn": Colwise(parts=3), "h.*.attn.c_proj": Rowwise(), "h.*.mlp.c_fc": Colwise(),
+              "h.*.mlp.c_proj": Rowwise(), "h.*.attn": Heads(("num_heads", "split_size")), "ln_f": GatherOutput()},
+             {"lm_head": LMHead(whole_input=True)}),
+}
 
 
 def pretrained_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -42,37 +62,51 @@ def _joined(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
 
+def _ours(model: nn.Module, pattern: str, style: Any) -> Any:
+    if not isinstance(style, str):
+        return style  # a style object of ours (a known plan's)
+    if style not in STYLE_NAMES:
+        raise ValueError(
+            f"{type(model).__name__}'s tensor-parallel plan gives {pattern!r} the style {style!r}, which trainkit does "
+            f"not run (it runs {', '.join(STYLE_NAMES)}); write tensor_parallel_plan() on your module with trainkit's "
+            "styles (docs/huggingface.md), or train without tp."
+        )
+    return STYLE_NAMES[style]
+
+
 def plan_of(module: nn.Module) -> dict[str, Any] | None:
     """The tensor-parallel plan of the Hugging Face models ``module`` holds (None: it holds none, or they declare
-    no plan)."""
+    no plan and trainkit knows none for them)."""
     plan: dict[str, Any] = {}
     for name, model in pretrained_models(module):
         base_plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
+        head_plan = dict(getattr(type(model), "_tp_plan", None) or {})
+        if not base_plan:
+            base_plan, known_head = KNOWN_PLANS.get(getattr(model.config, "model_type", ""), ({}, {}))
+            head_plan = head_plan or known_head
         if not base_plan:
             continue
         prefix = model.base_model_prefix
         base = _joined(name, prefix) if hasattr(model, prefix) else name
-        entries = {_joined(base, k): v for k, v in base_plan.items()}
-        entries |= {_joined(name, k): v for k, v in (getattr(type(model), "_tp_plan", None) or {}).items()}
-        for pattern, style in entries.items():
-            ours = STYLE_NAMES.get(style)
-            if ours is None:
-                raise ValueError(
-                    f"{type(model).__name__}'s tensor-parallel plan gives {pattern!r} the style {style!r}, which "
-                    f"trainkit does not run (it runs {', '.join(STYLE_NAMES)}); write tensor_parallel_plan() on your "
-                    "module with trainkit's styles (docs/huggingface.md), or train without tp."
-                )
-            plan[pattern] = ours
+        entries = {_joined(base, k): _ours(model, _joined(base, k), v) for k, v in base_plan.items()}
+        entries |= {_joined(name, k): _ours(model, _joined(name, k), v) for k, v in head_plan.items()
+                    if hasattr(model, k.split(".")[0])}
+        extra: dict[str, list[Any]] = {}
         layered = [p for p in entries if ".*." in p]
         if layered:
-            layers = layered[0].split(".*.", 1)[0]
-            plan[f"{layers}.0"] = SplitSequence()
-            for pattern in {p.rsplit(".", 1)[0] for p, s in entries.items() if s == "colwise"}:
-                plan[pattern] = GatherSequence()
-        head = next((p for p, s in plan.items() if s == "lm_head"), None)
+            extra.setdefault(f"{layered[0].split('.*.', 1)[0]}.0", []).append(SplitSequence())
+            for pattern, style in entries.items():
+                if style == "colwise" or isinstance(style, Colwise):
+                    extra.setdefault(pattern.rsplit(".", 1)[0], []).append(GatherSequence())
+        for pattern, added in extra.items():
+            mine = entries.get(pattern)
+            styles = [mine, *dict.fromkeys(added)] if mine is not None else list(dict.fromkeys(added))
+            entries[pattern] = styles[0] if len(styles) == 1 else styles
+        plan |= entries
+        head = next((p for p, s in plan.items() if s == "lm_head" or isinstance(s, LMHead)), None)
         embeddings = getattr(model, "get_input_embeddings", lambda: None)()
         if head is not None and embeddings is not None:
-            lm_head = model.get_submodule(head[len(name) + 1 :] if name else head)
+            lm_head = module.get_submodule(head)
             if getattr(lm_head, "weight", None) is embeddings.weight:  # tied: split alike, summed whole
                 embedding_name = next(n for n, m in module.named_modules() if m is embeddings)
                 plan[embedding_name] = Embedding(whole_output=True)

@@ -71,30 +71,39 @@ class Split:
         return rank * width * inner, width * inner, shape[self.dim] // self.parts * inner
 
 
+def _features(layer: nn.Module) -> tuple[int, int]:
+    """``(in, out)`` features of an ``nn.Linear`` or of a Hugging Face ``Conv1D`` (weight ``[in, out]``)."""
+    if isinstance(layer, nn.Linear):
+        return layer.in_features, layer.out_features
+    return layer.nx, layer.nf
+
+
 class ColumnParallelLinear(nn.Module):
     """``Y = X A^T + b`` with ``A``'s output features (and ``b``) split over the group: this rank computes its
     slice of ``Y``. The input is replicated (``copy_in``: all-reduce of its gradient in backward) or, under sequence
     parallelism, sharded along the sequence and gathered (``SequenceParallelLinear``). ``vocab``: the layer is a
     language-model head whose output is the vocabulary's logits, returned as a ``VocabShard``."""
 
-    def __init__(self, linear: nn.Linear, comm: Comm, sequence_parallel: bool, vocab: bool = False) -> None:
+    def __init__(self, linear: nn.Module, comm: Comm, sequence_parallel: bool, vocab: bool = False) -> None:
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
         self.comm, self.sequence_parallel, self.vocab = comm, sequence_parallel, vocab
-        self.in_features, self.out_features = linear.in_features, linear.out_features  # the whole layer's
+        self.in_features, self.out_features = _features(linear)  # the whole layer's
+        self.transposed = not isinstance(linear, nn.Linear)  # a Conv1D (GPT-2) holds its weight as [in, out]
         # the module around it gathers the sequence at its input (``gather_sequence``): the input is whole here, and
         # its gradient is summed across the group by that gather's backward (a reduce-scatter)
         self.input_whole = False
 
     def forward(self, x: Tensor) -> Tensor:
+        weight = self.weight.t() if self.transposed else self.weight
         if self.input_whole:
-            y = F.linear(x, self.weight, self.bias)
+            y = F.linear(x, weight, self.bias)
         elif self.sequence_parallel and self.comm.active:
-            y = sequence_parallel_linear(x, self.weight, self.bias, self.comm)
+            y = sequence_parallel_linear(x, weight, self.bias, self.comm)
         else:
-            y = F.linear(copy_in(x, self.comm), self.weight, self.bias)
+            y = F.linear(copy_in(x, self.comm), weight, self.bias)
         if self.vocab:
-            return VocabShard.wrap(y, self.comm, self.comm.rank * self.weight.shape[0], self.out_features)
+            return VocabShard.wrap(y, self.comm, self.comm.rank * weight.shape[0], self.out_features)
         return y
 
     def extra_repr(self) -> str:
@@ -107,15 +116,16 @@ class RowParallelLinear(nn.Module):
     from a column-parallel layer): each rank's product is a partial sum, all-reduced (or, under sequence
     parallelism, reduce-scattered along the sequence) before the replicated bias is added once."""
 
-    def __init__(self, linear: nn.Linear, comm: Comm, sequence_parallel: bool) -> None:
+    def __init__(self, linear: nn.Module, comm: Comm, sequence_parallel: bool) -> None:
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
         self.comm, self.sequence_parallel = comm, sequence_parallel
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features = _features(linear)
+        self.transposed = not isinstance(linear, nn.Linear)  # a Conv1D (GPT-2) holds its weight as [in, out]
 
     def forward(self, x: Tensor) -> Tensor:
         with partial_products():  # selective checkpointing recomputes it rather than keep s x b x h per rank
-            partial = F.linear(x, self.weight)
+            partial = F.linear(x, self.weight.t() if self.transposed else self.weight)
         y = scatter_seq(partial, self.comm) if self.sequence_parallel else reduce_out(partial, self.comm)
         return y if self.bias is None else y + self.bias
 

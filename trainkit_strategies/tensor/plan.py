@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from trainkit_strategies.comm import Comm
 from trainkit_strategies.tensor.layers import ColumnParallelLinear, RowParallelLinear, Split, VocabParallelEmbedding
-from trainkit_strategies.tensor.regions import gather_seq, split_seq
+from trainkit_strategies.tensor.regions import gather_seq, gather_whole, split_seq
 
 _HEAD_COUNT = re.compile(r"^(n|num)_(\w+_)?heads?$")  # n_head, n_kv_heads, num_attention_heads, ...
 
@@ -67,11 +67,21 @@ class Style:
         raise NotImplementedError
 
     @staticmethod
-    def _linear(name: str, module: nn.Module, style: str) -> nn.Linear:
-        if not isinstance(module, nn.Linear):
+    def _linear(name: str, module: nn.Module, style: str) -> nn.Module:
+        if not (isinstance(module, nn.Linear) or _conv1d(module)):
             raise TypeError(f"tensor_parallel_plan: {name!r} is a {type(module).__name__}; the {style!r} style applies "
-                            "to nn.Linear layers.")
+                            "to nn.Linear layers (and Hugging Face's Conv1D).")
         return module
+
+
+def _conv1d(module: nn.Module) -> bool:
+    """A Hugging Face ``Conv1D`` (GPT-2): a linear layer whose weight is ``[in, out]``."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+def _out_dim(module: nn.Module) -> int:
+    """The weight dimension of a layer's output features (1 for a ``Conv1D``)."""
+    return 1 if _conv1d(module) else 0
 
 
 def _split(name: str, param: Tensor | None, split: Split, comm: Comm, done: Applied) -> None:
@@ -96,7 +106,7 @@ class Colwise(Style):
 
     def apply(self, name: str, module: nn.Module, comm: Comm, sequence_parallel: bool, done: Applied) -> nn.Module:
         linear = self._linear(name, module, "colwise")
-        _split(f"{name}.weight", linear.weight, Split(0, comm.world_size, self.parts), comm, done)
+        _split(f"{name}.weight", linear.weight, Split(_out_dim(linear), comm.world_size, self.parts), comm, done)
         _split(f"{name}.bias", linear.bias, Split(0, comm.world_size, self.parts), comm, done)
         return ColumnParallelLinear(linear, comm, sequence_parallel)
 
@@ -107,7 +117,7 @@ class Rowwise(Style):
 
     def apply(self, name: str, module: nn.Module, comm: Comm, sequence_parallel: bool, done: Applied) -> nn.Module:
         linear = self._linear(name, module, "rowwise")
-        _split(f"{name}.weight", linear.weight, Split(1, comm.world_size), comm, done)
+        _split(f"{name}.weight", linear.weight, Split(1 - _out_dim(linear), comm.world_size), comm, done)
         return RowParallelLinear(linear, comm, sequence_parallel)
 
 
@@ -129,13 +139,16 @@ class Embedding(Style):
 
 @dataclass(frozen=True)
 class LMHead(Style):
-    """Logits split by vocabulary, returned as a ``VocabShard``."""
+    """Logits split by vocabulary, returned as a ``VocabShard``; ``whole_input``: its input is the whole sequence
+    even under sequence parallelism (a model whose region ends earlier, ``gather_output``)."""
+
+    whole_input: bool = False
 
     def apply(self, name: str, module: nn.Module, comm: Comm, sequence_parallel: bool, done: Applied) -> nn.Module:
         linear = self._linear(name, module, "lm_head")
-        _split(f"{name}.weight", linear.weight, Split(0, comm.world_size), comm, done)
+        _split(f"{name}.weight", linear.weight, Split(_out_dim(linear), comm.world_size), comm, done)
         _split(f"{name}.bias", linear.bias, Split(0, comm.world_size), comm, done)
-        return ColumnParallelLinear(linear, comm, sequence_parallel, vocab=True)
+        return ColumnParallelLinear(linear, comm, sequence_parallel and not self.whole_input, vocab=True)
 
 
 @dataclass(frozen=True)
@@ -207,6 +220,18 @@ class GatherSequence(Style):
 
 
 @dataclass(frozen=True)
+class GatherOutput(Style):
+    """Under sequence parallelism: where the region ends, the module's output (its slice of the sequence) gathered
+    whole for what follows, which every rank computes alike (a model that reshapes its final hidden states with the
+    input's shape, as GPT-2 does)."""
+
+    def apply(self, name: str, module: nn.Module, comm: Comm, sequence_parallel: bool, done: Applied) -> nn.Module:
+        if sequence_parallel and comm.active:
+            module.register_forward_hook(lambda _m, _args, out: gather_whole(out, comm))
+        return module
+
+
+@dataclass(frozen=True)
 class SplitSequence(Style):
     """Under sequence parallelism: the module takes this rank's slice of the sequence of its (whole) input."""
 
@@ -216,9 +241,27 @@ class SplitSequence(Style):
         return module
 
 
+@dataclass(frozen=True)
+class Together(Style):
+    """Several styles on one module, applied in order (a plan gives them as a list: ``["heads",
+    "gather_sequence"]``)."""
+
+    styles: tuple[Style, ...] = ()
+
+    def apply(self, name: str, module: nn.Module, comm: Comm, sequence_parallel: bool, done: Applied) -> nn.Module:
+        for style in self.styles:
+            module = style.apply(name, module, comm, sequence_parallel, done)
+        return module
+
+
+def _has(style: Style | None, kind: type) -> bool:
+    return isinstance(style, kind) or (isinstance(style, Together) and any(isinstance(s, kind) for s in style.styles))
+
+
 STYLES: dict[str, Style] = {"colwise": Colwise(), "rowwise": Rowwise(), "embedding": Embedding(),
                             "lm_head": LMHead(), "sequence": Sequence(), "heads": Heads(),
-                            "gather_sequence": GatherSequence(), "split_sequence": SplitSequence()}
+                            "gather_sequence": GatherSequence(), "split_sequence": SplitSequence(),
+                            "gather_output": GatherOutput()}
 
 
 def _pattern(pattern: str) -> re.Pattern:
@@ -232,6 +275,11 @@ def resolve(module: nn.Module, plan: Mapping[str, str | Style]) -> dict[str, Sty
     names = [n for n, _ in module.named_modules() if n]
     out: dict[str, Style] = {}
     for pattern, given in plan.items():
+        if isinstance(given, list | tuple):
+            given = Together(tuple(STYLES.get(g, g) if isinstance(g, str) else g for g in given))
+            if not all(isinstance(s, Style) for s in given.styles):
+                raise ValueError(f"tensor_parallel_plan: unknown style in {pattern!r}'s list; use "
+                                 f"{', '.join(STYLES)}, or style objects.")
         style = STYLES.get(given) if isinstance(given, str) else given
         if not isinstance(style, Style):
             raise ValueError(f"tensor_parallel_plan: unknown style {given!r} for {pattern!r}; use one of "
@@ -286,7 +334,7 @@ def _check_heads(module: nn.Module, styled: dict[int, Style], name_of: dict[int,
     the heads with the whole model's count: fail at setup, naming the fix."""
     for mod in module.modules():
         children = [id(c) for c in mod.children()]
-        if not any(isinstance(styled.get(c), Colwise) for c in children) or isinstance(styled.get(id(mod)), Heads):
+        if not any(isinstance(styled.get(c), Colwise) for c in children) or _has(styled.get(id(mod)), Heads):
             continue
         counts = Heads().counts(mod)
         if counts:
@@ -304,7 +352,7 @@ def _check_gathered(module: nn.Module, styled: dict[int, Style], name_of: dict[i
     """Under sequence parallelism a Hugging Face module holding column-parallel layers reshapes its output with its
     input's shape (a slice of the sequence): fail at setup naming the entry that gathers its input."""
     for mod in module.modules():
-        if not type(mod).__module__.startswith("transformers.") or isinstance(styled.get(id(mod)), GatherSequence):
+        if not type(mod).__module__.startswith("transformers.") or _has(styled.get(id(mod)), GatherSequence):
             continue
         if any(isinstance(styled.get(id(c)), Colwise) for c in mod.children()):
             name = name_of.get(id(mod), type(mod).__name__)

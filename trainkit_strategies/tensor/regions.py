@@ -199,6 +199,23 @@ def split_seq(x: Tensor, comm: Comm) -> Tensor:
     return _apply(_SplitSeq, x, comm) if comm.active else x
 
 
+class _GatherWhole(Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, comm: Comm) -> Tensor:
+        ctx.comm = comm
+        return all_gather_seq(x, comm)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return seq_slice(grad, ctx.comm).contiguous(), None
+
+
+def gather_whole(x: Tensor, comm: Comm) -> Tensor:
+    """Leave the sequence-sharded region for one that every rank computes whole and alike (its gradient arrives
+    whole and equal on every rank: each keeps its slice)."""
+    return _apply(_GatherWhole, x, comm) if comm.active else x
+
+
 def gather_last(x: Tensor, comm: Comm) -> Tensor:
     """Every rank's ``x`` concatenated along the last dimension (vocabulary-split logits made whole)."""
     return _apply(_GatherLast, x, comm) if comm.active else x
