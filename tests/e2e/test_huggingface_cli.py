@@ -48,3 +48,13 @@ def test_a_hugging_face_model_trains_from_the_cli_under_ddp_fsdp_and_tp(tmp_path
         assert math.isfinite(loss) and abs(fsdp[step] - loss) <= 1e-5 * max(1.0, loss), (step, fsdp[step], loss)
     assert all(math.isfinite(v) for v in tp.values())
     assert math.log(16) - 0.5 < ddp[min(ddp)] < math.log(16) + 0.5  # starts near chance over 16 tokens
+
+
+def test_a_hugging_face_models_logged_loss_under_context_parallelism_is_one_processs(tmp_path):
+    """Under cp=2 each rank's loss covers its two chunks of every sequence; TensorBoard's train_loss is the whole
+    sequences', equal to one process's within 1e-5 (the same global batches: cp ranks read the same samples)."""
+    single = _fit(tmp_path, "single", ["--trainer.strategy", "single", "--trainer.devices", "1"])
+    cp = _fit(tmp_path, "cp", ["--trainer.strategy", "parallel", "--trainer.strategy.cp", "2"])
+    assert len(single) == 4 and single.keys() == cp.keys()
+    for step, loss in single.items():
+        assert abs(cp[step] - loss) <= 1e-5 * max(1.0, loss), (step, cp[step], loss)
