@@ -7,8 +7,9 @@ The model is built with ``transformers`` (an optional dependency: ``pip install 
 dict with ``model_type``, or a path to a ``config.json`` or a directory holding one) or loaded from a local
 directory. Its tensor-parallel plan is the model's own (``config.base_model_tp_plan``; see
 ``trainkit_strategies/tensor/huggingface.py``), so ``--trainer.strategy parallel --trainer.strategy.tp 2`` needs no
-plan written. A batch is ``(input_ids, labels)``, labels already shifted (``examples/gpt.py``'s loader, the demo's
-Markov windows); the loss is the mean cross-entropy over the labels' tokens (``-100`` ignored).
+plan written. A batch is ``(input_ids, labels)``, labels already shifted (``TextData`` here: a text file as bytes or
+through a tokenizer; the demo's Markov windows); the loss is the mean cross-entropy over the labels' tokens (``-100``
+ignored).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
 
+from trainkit.data import DataModule
 from trainkit.module import TrainModule
 from trainkit_strategies.context.ring import positions
 
@@ -50,6 +53,70 @@ def build_config(config: dict[str, Any] | str) -> Any:
     if model_type is None:
         raise ValueError("trainkit.hf.CausalLM config needs a model_type (llama, mistral, qwen2, gpt2, ...).")
     return transformers.AutoConfig.for_model(model_type, **options)
+
+
+class TokenWindows(Dataset):
+    """Windows of ``block_size + 1`` tokens every ``stride``: ``(input_ids, labels)`` shifted by one."""
+
+    def __init__(self, tokens: Tensor, block_size: int, stride: int) -> None:
+        if tokens.numel() <= block_size:
+            raise ValueError(f"The text has {tokens.numel()} tokens, too few for one window of {block_size} + 1: use "
+                             "a longer text or a smaller --data.block_size.")
+        self.tokens, self.block_size, self.stride = tokens, block_size, stride
+
+    def __len__(self) -> int:
+        return (self.tokens.numel() - self.block_size - 1) // self.stride + 1
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        window = self.tokens[i * self.stride : i * self.stride + self.block_size + 1]
+        return window[:-1], window[1:]
+
+
+class TextData(DataModule):
+    """A text file as tokens for a causal language model: the first ``1 - val_fraction`` for training, the rest for
+    validation.
+
+    Args:
+        path: the text file (UTF-8).
+        tokenizer: a local directory ``AutoTokenizer.from_pretrained`` loads (its vocabulary must fit the model's
+            ``vocab_size``); None: the file's bytes (vocabulary 256), as ``examples/gpt.py`` reads text.
+        block_size: tokens per example. stride: tokens between the starts of training windows (default
+            ``block_size / 2``). val_fraction: share held out. batch_size: per-rank batch size.
+    """
+
+    def __init__(self, path: str, tokenizer: str | None = None, block_size: int = 128, stride: int | None = None,
+                 val_fraction: float = 0.1, batch_size: int = 8, num_workers: int = 0) -> None:
+        super().__init__()
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1); got {val_fraction}.")
+        self.path, self.tokenizer, self.block_size, self.val_fraction = Path(path), tokenizer, block_size, val_fraction
+        self.stride = stride or max(1, block_size // 2)
+        self.batch_size, self.num_workers = batch_size, num_workers
+        self._splits: dict[str, Tensor] = {}
+
+    def tokens(self) -> Tensor:
+        if not self.path.is_file():
+            raise FileNotFoundError(f"--data.path {self.path} is not a file.")
+        if self.tokenizer is None:
+            return torch.frombuffer(bytearray(self.path.read_bytes()), dtype=torch.uint8).long()
+        tokenizer = _transformers().AutoTokenizer.from_pretrained(self.tokenizer)
+        return torch.tensor(tokenizer(self.path.read_text())["input_ids"], dtype=torch.long)
+
+    def setup(self, stage: str) -> None:
+        if not self._splits:
+            data = self.tokens()
+            cut = int(data.numel() * (1 - self.val_fraction))
+            self._splits = {"train": data[:cut], "val": data[cut:]}
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup("fit")
+        return DataLoader(TokenWindows(self._splits["train"], self.block_size, self.stride), batch_size=self.batch_size,
+                          shuffle=True, drop_last=True, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        self.setup("validate")
+        return DataLoader(TokenWindows(self._splits["val"], self.block_size, self.block_size),
+                          batch_size=self.batch_size, num_workers=self.num_workers)
 
 
 def _positions(rotary: nn.Module, attention: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:

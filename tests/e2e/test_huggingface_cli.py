@@ -58,3 +58,39 @@ def test_a_hugging_face_models_logged_loss_under_context_parallelism_is_one_proc
     assert len(single) == 4 and single.keys() == cp.keys()
     for step, loss in single.items():
         assert abs(cp[step] - loss) <= 1e-5 * max(1.0, loss), (step, cp[step], loss)
+
+
+def _text(tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_text(" ".join(["the cat sat on the mat and the dog sat on the log"] * 40))
+    return path
+
+
+def test_a_hugging_face_model_trains_on_a_text_file_as_bytes_from_the_cli(tmp_path):
+    config = {**CONFIG, "vocab_size": 256}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [sys.executable, "-m", "trainkit.cli", "fit", "--model", "trainkit.hf.CausalLM", "--model.config",
+           json.dumps(config), "--data", "trainkit.hf.TextData", "--data.path", str(_text(tmp_path)),
+           "--data.block_size", "16", "--trainer.max_steps", "3", "--trainer.log_every_n_steps", "1",
+           "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    losses = scalars(tmp_path, "train_loss")
+    assert len(losses) == 3 and math.log(256) - 1.0 < losses[min(losses)] < math.log(256) + 1.0
+
+
+def test_text_data_reads_through_a_tokenizer_the_user_names(tmp_path):
+    """A tokenizer saved in a local directory (a word-level one made here, offline) turns the text into its ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from trainkit.hf import TextData
+
+    words = ["[UNK]", "the", "cat", "sat", "on", "mat", "and", "dog", "log"]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]").save_pretrained(str(tmp_path / "tok"))
+    data = TextData(str(_text(tmp_path)), tokenizer=str(tmp_path / "tok"), block_size=8, batch_size=2)
+    x, y = next(iter(data.train_dataloader()))
+    assert x.shape == y.shape == (2, 8) and int(x.max()) < len(words)
+    assert data.tokens()[:4].tolist() == [1, 2, 3, 4]  # the cat sat on
