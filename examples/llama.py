@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 import trainkit as tk
 from trainkit.cli import main
+from trainkit.optim import warmup_cosine
 from trainkit.parallel import attention, positions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -235,14 +236,7 @@ class Llama(tk.TrainModule):
         optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": hp.weight_decay},
                                        {"params": rest, "weight_decay": 0.0}], lr=hp.lr, betas=(0.9, 0.95),
                                       eps=hp.adam_eps)
-
-        def schedule(step: int) -> float:
-            if step < hp.warmup_steps:
-                return (step + 1) / hp.warmup_steps
-            progress = min(1.0, (step - hp.warmup_steps) / max(1, hp.max_steps - hp.warmup_steps))
-            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        scheduler = warmup_cosine(optimizer, self.hparams.warmup_steps, self.hparams.max_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 

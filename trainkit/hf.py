@@ -15,7 +15,6 @@ ignored).
 from __future__ import annotations
 
 import json
-import math
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from trainkit.data import DataModule
 from trainkit.module import TrainModule
+from trainkit.optim import warmup_cosine
 from trainkit_strategies.context.ring import positions
 
 IGNORE = -100
@@ -231,12 +231,5 @@ class CausalLM(TrainModule):
         optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": hp.weight_decay},
                                        {"params": rest, "weight_decay": 0.0}], lr=hp.lr, betas=(0.9, 0.95),
                                       eps=hp.adam_eps)
-
-        def schedule(step: int) -> float:
-            if step < hp.warmup_steps:
-                return (step + 1) / hp.warmup_steps
-            progress = min(1.0, (step - hp.warmup_steps) / max(1, hp.max_steps - hp.warmup_steps))
-            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        scheduler = warmup_cosine(optimizer, self.hparams.warmup_steps, self.hparams.max_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -3,16 +3,31 @@ optimizers (``OneBitAdam``: 1-bit Adam with compressed communication, for the dd
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 
 from trainkit_strategies.data_parallel.onebit import OneBitAdam
 
-__all__ = ["OneBitAdam", "OptimizerConfig", "parse_optimizers"]
+__all__ = ["OneBitAdam", "OptimizerConfig", "parse_optimizers", "warmup_cosine"]
+
+
+def warmup_cosine(optimizer: Optimizer, warmup_steps: int, max_steps: int, floor: float = 0.1) -> LambdaLR:
+    """The learning rate rising linearly over ``warmup_steps``, then falling along a cosine to ``floor`` of its peak at
+    ``max_steps`` (GPT-style; a scheduler to step every optimizer step: ``"interval": "step"``)."""
+    total = max(max_steps, 1)
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total - warmup_steps))
+        return floor + (1.0 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return LambdaLR(optimizer, factor)
 
 
 @dataclass

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trainkit.module import TrainModule
-from trainkit.optim import OneBitAdam
+from trainkit.optim import OneBitAdam, warmup_cosine
 from trainkit.parallel import Colwise, attention, positions
 
 
@@ -243,15 +243,7 @@ class DemoGPT(TrainModule):
                                                           freeze_step=hp.freeze_step)
         else:
             optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=(0.9, 0.95), eps=hp.adam_eps)
-        warmup, total = self.hparams.warmup_steps, max(self.hparams.max_steps, 1)
-
-        def schedule(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        scheduler = warmup_cosine(optimizer, self.hparams.warmup_steps, self.hparams.max_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_fit_start(self) -> None:

@@ -199,11 +199,8 @@ def split_seq(x: Tensor, comm: Comm) -> Tensor:
     return _apply(_SplitSeq, x, comm) if comm.active else x
 
 
-class _GatherWhole(Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, comm: Comm) -> Tensor:
-        ctx.comm = comm
-        return all_gather_seq(x, comm)
+class _GatherWhole(_GatherSeq):
+    """``_GatherSeq``'s forward; the gradient arrives whole and alike on every rank, which keeps its slice."""
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
