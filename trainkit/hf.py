@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 from trainkit.data import DataModule
 from trainkit.module import TrainModule
 from trainkit.optim import warmup_cosine
-from trainkit_strategies.context.ring import positions
+from trainkit.parallel import positions
 
 IGNORE = -100
 
