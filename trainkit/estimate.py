@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import os
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +33,7 @@ from torch.optim import Optimizer
 from trainkit.activation import apply_activation_checkpointing
 from trainkit.optim import parse_optimizers
 from trainkit.step import unpack_output
+from trainkit.units import human, human_count, human_or_unknown, parse_bytes
 from trainkit_strategies import (
     ActivationMeter,
     Environment,
@@ -43,41 +43,16 @@ from trainkit_strategies import (
     capability,
     get_strategy,
 )
+from trainkit_strategies.context.huggingface import without_masks
 from trainkit_strategies.memory import LiveBytes
+from trainkit_strategies.parallel import plan_for
 from trainkit_strategies.plan_comm import PlanComm
 from trainkit_strategies.sharding.units import repeated_layers
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero_offload", "zero3", "fsdp", "pipeline")
 AUTO_ORDER = ("ddp", "zero1", "zero2", "fsdp", "zero_offload")  # fastest first, as strategy="auto" tries them
 HEADROOM = 0.9  # of device memory a plan may fill: the allocator's fragmentation and workspaces need the rest
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
-          "GIB": 2**30, "TIB": 2**40}
 META = torch.device("meta")
-
-
-def parse_bytes(size: str | int | float) -> int:
-    """Bytes in ``size``: a number, or a string such as "80GB", "24GiB", "512MB"."""
-    if isinstance(size, int | float):
-        return int(size)
-    match = re.fullmatch(r"\s*([\d.]+)\s*([A-Za-z]*)\s*", size)
-    if match is None or match.group(2).upper() not in _UNITS:
-        raise ValueError(f"Cannot read the size {size!r}; write it like 80GB, 24GiB or 512MB.")
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
-
-
-def _count(n: int) -> str:
-    return next((f"{n / size:.2f}{unit}" for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)) if n >= size), str(n))
-
-
-def _maybe(n: float | None) -> str:
-    return "?" if n is None else human(n)
-
-
-def human(n: float) -> str:
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 @dataclass(frozen=True)
@@ -146,7 +121,7 @@ class Estimate:
         return row.peak <= HEADROOM * self.device_memory
 
     def table(self) -> str:
-        lines = [f"{_count(self.parameters)} parameters, {self.world_size} rank(s), precision {self.precision}"
+        lines = [f"{human_count(self.parameters)} parameters, {self.world_size} rank(s), precision {self.precision}"
                  + (f", device memory {human(self.device_memory)}" if self.device_memory else ""),
                  f"{'strategy':<14}{'device state':>14}{'host state':>12}{'(pinned)':>11}{'activations':>13}"
                  f"{'(sel)':>11}{'(ckpt)':>11}{'setup peak':>12}{'comm/step':>12}  fits  note"]
@@ -158,9 +133,9 @@ class Estimate:
             axes = ", ".join(f"{axis} {human(n)}" for axis, n in r.comm_by_axis.items() if n)
             note = "; ".join(x for x in (r.note, f"comm {axes}" if r.options and axes else "") if x)
             lines.append(f"{r.strategy:<14}{human(r.device):>14}{human(r.host):>12}{human(r.pinned):>11}"
-                         f"{_maybe(r.activations):>13}{_maybe(r.activations_selective):>11}"
-                         f"{_maybe(r.activations_checkpointed):>11}{human(r.setup):>12}"
-                         f"{_maybe(r.comm):>12}  {fits:<4}  {note}")
+                         f"{human_or_unknown(r.activations):>13}{human_or_unknown(r.activations_selective):>11}"
+                         f"{human_or_unknown(r.activations_checkpointed):>11}{human(r.setup):>12}"
+                         f"{human_or_unknown(r.comm):>12}  {fits:<4}  {note}")
         if any(r.applies and r.activations is None for r in self.rows):
             lines.append("activations and comm/step are unknown without a batch to trace: pass --data (a DataModule)"
                          " or give the model a train_dataloader(); in Python, estimate(model, batch).")
@@ -251,6 +226,7 @@ def _setup(strategy: Strategy, module: nn.Module, precision: Precision, world_si
     strategy.setup_environment(env, comm=PlanComm(world_size, rank, META))
     with LiveBytes(META) as setup:
         strategy.setup(model, _optimizer(model), precision)
+    without_masks(model)  # Hugging Face models: no mask made (its code reads values a meta tensor has none of)
     comms = strategy.comms()
     for comm in comms:
         comm.stats.reset()
@@ -281,10 +257,10 @@ def _one_step(strategy: Any, model: nn.Module, module: nn.Module, batch: Any, pr
         schedule.expect(crossing)
         schedule.run_schedule(model, meta_batch, 1.0)
     elif meta_batch is not None and schedule is None:
-        with strategy.forward_context():
-            loss, _ = unpack_output(model.training_step(meta_batch, 0))
-        if loss is not None:
-            strategy.backward(loss)
+        with strategy.forward_context():  # on the rank's tokens (its chunks of every sequence under cp)
+            loss, _ = unpack_output(model.training_step(strategy.local_batch(meta_batch), 0))
+            if loss is not None:
+                strategy.backward(loss)
     else:  # no data: a backward that reaches every trainable parameter this rank runs
         params = strategy.trainable()
         if params:
@@ -366,7 +342,7 @@ def estimate(module: nn.Module, batch: Any, world_size: int = 1, precision: str 
             key = (tuple(sorted((n, str(d)) for n, d in dtypes.items())), label if rewritten else "")
             if key not in traced:
                 rewrite = lambda m, s=strategy: s.activation_model(m, torch.device(trace_on))
-                traced[key] = _activations(module, batch, policy, trace_on, activation_checkpointing, dtypes, rewrite,
+                traced[key] = _activations(module, strategy.local_batch(batch), policy, trace_on, activation_checkpointing, dtypes, rewrite,
                                            activation_checkpointing_every)
             plain, checkpointed, selective = traced[key]
         report = strategy.memory_report()
@@ -381,10 +357,10 @@ def estimate(module: nn.Module, batch: Any, world_size: int = 1, precision: str 
 
 def mesh_layouts(module: nn.Module, world_size: int, devices_per_node: int | None = None) -> list[dict[str, int]]:
     """The layouts worth planning for ``module`` on ``world_size`` ranks: tensor parallelism of 2, 4 or 8 within a
-    node (when the module has a ``tensor_parallel_plan()``) times 1, 2 or 4 pipeline stages (when it has
-    ``pipeline_layers()`` with as many layers), the data-parallel shards taking the rest (without tensor
-    parallelism the layout is ``fsdp`` or ``pipeline``, already rows)."""
-    if not callable(getattr(module, "tensor_parallel_plan", None)):
+    node (when the module has a plan: its ``tensor_parallel_plan()``, a Hugging Face model's own) times 1, 2 or 4
+    pipeline stages (when it has ``pipeline_layers()`` with as many layers), the data-parallel shards taking the
+    rest (without tensor parallelism the layout is ``fsdp`` or ``pipeline``, already rows)."""
+    if plan_for(module) is None:
         return []
     node = devices_per_node or world_size
     layers = len(module.pipeline_layers()) if callable(getattr(module, "pipeline_layers", None)) else 1
@@ -395,9 +371,10 @@ def mesh_layouts(module: nn.Module, world_size: int, devices_per_node: int | Non
 def layout_label(degrees: Mapping[str, int], world_size: int) -> str:
     """``{"tp": 2, "pp": 2}`` at 8 ranks -> "pp2 tp2 dp2" (dp: the sharded data-parallel rest)."""
     tp, pp, replicate = degrees.get("tp", 1), degrees.get("pp", 1), degrees.get("dp_replicate", 1)
-    shard = degrees.get("dp_shard") or world_size // max(1, tp * pp * replicate)
-    parts = [f"pp{pp}" if pp > 1 else "", f"tp{tp}" if tp > 1 else "", f"rep{replicate}" if replicate > 1 else "",
-             f"dp{shard}" if shard > 1 else ""]
+    cp = degrees.get("cp", 1)
+    shard = degrees.get("dp_shard") or world_size // max(1, tp * pp * replicate * cp)
+    parts = [f"pp{pp}" if pp > 1 else "", f"tp{tp}" if tp > 1 else "", f"cp{cp}" if cp > 1 else "",
+             f"rep{replicate}" if replicate > 1 else "", f"dp{shard}" if shard > 1 else ""]
     return " ".join(p for p in parts if p) or "parallel"
 
 

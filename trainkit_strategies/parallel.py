@@ -46,6 +46,7 @@ from trainkit_strategies.pipeline.microbatches import missing_hooks
 from trainkit_strategies.plan_comm import PlanComm
 from trainkit_strategies.precision import Precision, dtype_named
 from trainkit_strategies.registry import get_strategy, strategy_class
+from trainkit_strategies.tensor.huggingface import indivisible_heads
 from trainkit_strategies.tensor.huggingface import plan_of as hf_plan_of
 from trainkit_strategies.tensor.layers import Split
 from trainkit_strategies.tensor.plan import Applied, apply_plan
@@ -270,6 +271,9 @@ class ParallelStrategy(Wrapper, Parallelizes):
                     "tensor_parallel_plan() -> {submodule pattern: style} (which layers are split, and how), or to "
                     "hold a Hugging Face model that declares one; see docs/parallel.md, or run with tp=1."
                 )
+            heads = indivisible_heads(module, self.tp)
+            if heads is not None:
+                raise ValueError(f"Strategy 'parallel' with tp={self.tp}: {heads}")
             self._same_start(module)
             self.applied = apply_plan(module, plan, self.tp_comm, self.sequence_parallel)
         if self.cp > 1:
@@ -458,7 +462,7 @@ def unplanned(module: nn.Module, tp: int) -> str | None:
         found = plan_for(module)
     except ValueError as err:
         return str(err)
-    return None if found is not None else "the module has no tensor_parallel_plan()"
+    return indivisible_heads(module, tp) if found is not None else "the module has no tensor_parallel_plan()"
 
 
 def split_for_trace(model: nn.Module, tp: int, sequence_parallel: bool, device: torch.device) -> nn.Module:

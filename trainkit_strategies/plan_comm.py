@@ -27,8 +27,11 @@ class PlanComm(Comm):
     def subgroup(self, ranks: list[int], fresh: bool = False, control: bool = False) -> Comm:
         device = torch.device("cpu") if control else self.device
         mine = self.ranks[self.rank]
-        return PlanComm(len(ranks), ranks.index(mine), device, self.timeout_s) if mine in ranks and len(ranks) > 1 \
-            else PlanComm(1, 0, device, self.timeout_s)
+        if mine not in ranks or len(ranks) == 1:
+            return PlanComm(1, 0, device, self.timeout_s)
+        sub = PlanComm(len(ranks), ranks.index(mine), device, self.timeout_s)
+        sub.ranks = list(ranks)  # global ranks, as a Comm's
+        return sub
 
     def _run(self, fn: Any, *args: Any, async_op: bool = False, **kwargs: Any) -> Handle:
         return DONE

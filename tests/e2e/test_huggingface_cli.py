@@ -94,3 +94,17 @@ def test_text_data_reads_through_a_tokenizer_the_user_names(tmp_path):
     x, y = next(iter(data.train_dataloader()))
     assert x.shape == y.shape == (2, 8) and int(x.max()) < len(words)
     assert data.tokens()[:4].tolist() == [1, 2, 3, 4]  # the cat sat on
+
+
+def test_trainkit_estimate_plans_a_hugging_face_model(tmp_path):
+    """``trainkit estimate`` on a CausalLM: every strategy and the layouts of its own plan (tp, tp x pp) planned
+    with activations and bytes per step; the tp its key/value heads cannot share is a row saying why."""
+    cmd = [sys.executable, "-m", "trainkit.cli", "estimate", "--model", "trainkit.hf.CausalLM", "--model.config",
+           json.dumps(CONFIG), "--data", "trainkit.demo.markov.MarkovData", "--trainer.devices", "4"]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = {line[:14].strip(): line for line in proc.stdout.splitlines()[2:]}  # the label column
+    for name in ("ddp", "zero1", "zero2", "zero_offload", "zero3", "fsdp", "pipeline", "tp2 dp2", "pp2 tp2"):
+        assert name in rows and "n/a" not in rows[name] and "?" not in rows[name], proc.stdout
+    assert "n/a: model has 2 key/value heads" in rows["tp4"], proc.stdout

@@ -443,3 +443,57 @@ def test_layout_rows_equal_a_real_step(precision):
 
 def options_shard(options: dict) -> int:
     return 4 // (options["tp"] * options["pp"])
+
+
+def _llama(device: str | None = None):
+    from trainkit.hf import CausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device or "cpu"):
+        return CausalLM(config={"model_type": "llama", "vocab_size": 16, "hidden_size": 32, "intermediate_size": 64,
+                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2})
+
+
+def test_a_hugging_face_model_is_planned_as_it_runs():
+    """``trainkit estimate`` on a transformers Llama (its mask code reads values a meta tensor has none of): the rows
+    of the data-parallel strategies and of the tp=2 and cp=2 layouts at 2 ranks against a real step of each on 2
+    ranks that move real values (threads of this process): the planned rank's model state (``memory_report()``) and
+    the bytes of every collective kind (``Comm.stats``) equal. A layout the model's heads cannot divide into is
+    a row saying so."""
+    pytest.importorskip("transformers")
+    from tests.simworld import CPU, SimWorld
+
+    batch = _batch(4)
+    layouts = [{"tp": 2}, {"cp": 2}]
+    planned = estimate(_llama("meta"), batch, world_size=2, strategies=["ddp", "zero2", "fsdp"], layouts=layouts)
+    assert [r.strategy for r in planned.rows] == ["ddp", "zero2", "fsdp", "tp2", "cp2"]
+    n = sum(p.numel() for p in _llama().parameters())
+    # fp32 weights, gradients and AdamW's two moments, whole (and its step counts, the rotary buffers: < 4 KB)
+    assert 16 * n <= planned.row("ddp").device < 16 * n + 4096
+    for row in planned.rows:
+        world = SimWorld(2, device=CPU)
+        models = [_llama() for _ in range(2)]
+
+        def rank(r: int, world: SimWorld = world, models: list = models, row=row) -> tuple:
+            strategy = get_strategy(row.name, **row.options)
+            strategy.setup_environment(Environment(rank=r, world_size=2), comm=world.comm(r))
+            module = models[r]
+            strategy.setup(module, module.configure_optimizers()["optimizer"], Precision.from_name("32"))
+            moved: dict[str, int] = {}
+            for comm in {id(c): c for c in strategy.comms()}.values():
+                comm.stats.reset()
+            with strategy.forward_context():  # on the rank's tokens (its chunks of every sequence under cp)
+                strategy.backward(module.training_step(strategy.local_batch(batch), 0)["loss"])
+            strategy.reduce_gradients(1.0)
+            strategy.optimizer_step()
+            for comm in {id(c): c for c in strategy.comms()}.values():
+                for kind, b in comm.stats.bytes.items():
+                    moved[kind] = moved.get(kind, 0) + b
+            return strategy.memory_report().device_total, {k: b for k, b in moved.items() if b}
+
+        device, moved = world.run(rank)[row.rank]
+        assert row.device == device, (row.strategy, row.device, device)
+        assert {k: b for k, b in row.comm_by_kind.items() if b} == moved, (row.strategy, row.comm_by_kind, moved)
+        print(row.strategy, row.device, moved)
+    too_many = estimate(_llama("meta"), batch, world_size=4, strategies=[], layouts=[{"tp": 4}])
+    assert "2 key/value heads" in too_many.row("tp4").note and not too_many.row("tp4").applies

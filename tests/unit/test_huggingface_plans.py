@@ -3,7 +3,10 @@ sequence parallelism needs), and the errors a plan that cannot work gets at setu
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,3 +79,56 @@ def test_transformers_stays_optional(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ImportError, match=r"trainkit\.hf needs Hugging Face transformers: pip install transformers"):
         CausalLM(config={"model_type": "llama"})
+
+
+def test_a_tp_the_heads_cannot_share_is_refused_at_setup_naming_the_count():
+    """2 key/value heads over 4 tensor-parallel ranks would split a head (a shape error inside attention): refused
+    before any weight is cut, naming the count and the fix."""
+    from trainkit_strategies import Environment, Precision, get_strategy
+
+    module = _llama()
+    strategy = get_strategy("parallel", tp=4)
+    strategy.setup_environment(Environment(rank=0, world_size=4), comm=PlanComm(4))
+    with pytest.raises(ValueError, match=r"tp=4: model has 2 key/value heads .* choose a tp that divides 2"):
+        strategy.setup(module, torch.optim.AdamW(module.parameters()), Precision.from_name("32"))
+    assert module.model.model.layers[0].self_attn.k_proj.weight.shape == (16, 32)  # nothing was cut
+
+
+WITHOUT = """
+import importlib, pkgutil, sys
+assert importlib.util.find_spec("transformers") is None
+import torch, trainkit, trainkit_strategies
+for package in (trainkit, trainkit_strategies):
+    for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        importlib.import_module(info.name)
+from trainkit import Trainer
+from trainkit.demo.gpt import DemoGPT
+from trainkit.demo.markov import MarkovData
+from trainkit.estimate import estimate, one_batch
+torch.manual_seed(0)
+batch = one_batch(DemoGPT(n_layer=2), MarkovData())
+with torch.device("meta"):
+    plan = estimate(DemoGPT(n_layer=2), batch, world_size=2)
+assert all(row.applies for row in plan.rows), plan.table()
+trainer = Trainer(max_steps=2, enable_progress_bar=False, logger=False, enable_checkpointing=False)
+trainer.fit(DemoGPT(n_layer=2), datamodule=MarkovData())
+print("steps", trainer.global_step)
+"""
+
+
+@pytest.mark.slow
+def test_without_transformers_everything_else_imports_and_runs(tmp_path):
+    """With transformers unimportable: every module of both packages imports, ``estimate`` plans the demo GPT (the
+    Hugging Face checks find no model) and it trains."""
+    import site
+
+    packages = tmp_path / "site-packages"  # this environment's packages but transformers (and its metadata)
+    packages.mkdir()
+    for where in site.getsitepackages():
+        for entry in Path(where).iterdir():
+            if not entry.name.lower().startswith("transformers") and not (packages / entry.name).exists():
+                (packages / entry.name).symlink_to(entry)
+    proc = subprocess.run([sys.executable, "-S", "-c", WITHOUT], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{packages}"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "steps 2" in proc.stdout

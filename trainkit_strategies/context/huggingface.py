@@ -24,6 +24,7 @@ from trainkit_strategies.context.ring import attention, current, positions
 from trainkit_strategies.tensor.huggingface import pretrained_models
 
 NAME = "trainkit_cp"
+UNMASKED = "trainkit_causal"  # the same attention, with no mask made for it (``without_masks``)
 _registered = False
 
 
@@ -51,6 +52,7 @@ def register() -> str:
 
         AttentionInterface.register(NAME, attention_forward)
         AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+        AttentionInterface.register(UNMASKED, attention_forward)  # no mask function: transformers makes none
         _registered = True
     return NAME
 
@@ -65,16 +67,31 @@ def _positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dic
     return args, kwargs
 
 
+def _switch(model: nn.Module, name: str) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:
+        model.config._attn_implementation = name
+
+
+def without_masks(module: nn.Module) -> int:
+    """Switch the Hugging Face models inside ``module`` to this attention (causal, across the context-parallel group
+    under cp) with no attention mask made for it: how ``trainkit estimate`` steps them on the meta device, where
+    transformers' mask code would read values a meta tensor has none of (whether sequences are packed). The shapes,
+    and the collectives a strategy issues, are a run's. How many it found."""
+    found = pretrained_models(module)
+    for _, model in found:
+        register()
+        _switch(model, UNMASKED)
+    return len(found)
+
+
 def adopt(module: nn.Module) -> int:
     """Run every Hugging Face model inside ``module`` under context parallelism (see the module docstring); how
     many it found."""
     found = pretrained_models(module)
     for _, model in found:
-        name = register()
-        if hasattr(model, "set_attn_implementation"):
-            model.set_attn_implementation(name)
-        else:
-            model.config._attn_implementation = name
+        _switch(model, register())
         base = getattr(model, model.base_model_prefix, model)
         base.register_forward_pre_hook(_positions, with_kwargs=True)
     return len(found)

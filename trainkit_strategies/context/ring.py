@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from trainkit_strategies.comm import Comm, Handle
 
@@ -357,12 +358,18 @@ _GROUPS: dict[int, ContextParallel] = {}
 def cp_attention(q: Tensor, k: Tensor, v: Tensor, group: int, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     """Attention of this rank's queries over the whole sequence's keys and values; its output (laid out token-major)
     and log-sum-exp."""
+    return _forward(q, k, v, group, causal, scale)
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, group: int, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     cp = _GROUPS[group]
     return (_ring_forward if cp.method == "ring" else _gather_forward)(q, k, v, cp, causal, scale)
 
 
 @cp_attention.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, group: int, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    if not is_fake(q) and group in _GROUPS:  # meta tensors (``trainkit estimate``'s step): the ring's traffic counted
+        return _forward(q, k, v, group, causal, scale)
     return _token_major(torch.empty_like(q)), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 

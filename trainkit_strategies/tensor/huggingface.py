@@ -111,3 +111,17 @@ def plan_of(module: nn.Module) -> dict[str, Any] | None:
                 embedding_name = next(n for n, m in module.named_modules() if m is embeddings)
                 plan[embedding_name] = Embedding(whole_output=True)
     return plan or None
+
+
+def indivisible_heads(module: nn.Module, tp: int) -> str | None:
+    """Why the Hugging Face models in ``module`` cannot be split over ``tp`` ranks by heads (their attention reshapes
+    a projection's columns into whole heads of ``head_dim``), or None."""
+    for name, model in pretrained_models(module):
+        config = model.config
+        heads = getattr(config, "num_attention_heads", None)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        for what, count in (("attention heads", heads), ("key/value heads", kv_heads)):
+            if isinstance(count, int) and count % tp:
+                return (f"{name or type(model).__name__} has {count} {what} (config.json), which {tp} tensor-parallel "
+                        f"ranks cannot share: choose a tp that divides {count}.")
+    return None

@@ -214,7 +214,8 @@ class GatherSequence(Style):
 
     def apply(self, name: str, module: nn.Module, comm: Comm, sequence_parallel: bool, done: Applied) -> nn.Module:
         if sequence_parallel and comm.active:
-            module.register_forward_pre_hook(_first_input(gather_seq, comm), with_kwargs=True)
+            # first of the module's hooks: the ones there already (a pipeline stage's positions) see it whole
+            module.register_forward_pre_hook(_first_input(gather_seq, comm), with_kwargs=True, prepend=True)
             done.gathered.append(module)  # its column-parallel layers take the input whole, once they exist
         return module
 
