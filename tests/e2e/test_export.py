@@ -235,10 +235,12 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("devices", "options"), [(4, {"tp": 2, "dp_shard": 2}), (2, {"cp": 2})],
-                         ids=["tp2-dp_shard2", "cp2"])
+@pytest.mark.parametrize(("devices", "options"), [(4, {"tp": 2, "dp_shard": 2}), (2, {"cp": 2}), (2, {"pp": 2}),
+                                                 (4, {"dp_replicate": 2, "dp_shard": 2})],
+                         ids=["tp2-dp_shard2", "cp2", "pp2", "hsdp2x2"])
 def test_a_hugging_face_model_trained_on_a_mesh_exports_for_from_pretrained(tmp_path, devices, options):
-    """trainkit.hf.CausalLM (a transformers Llama) trained under tp=2 x dp_shard=2 and under cp=2, exported with
+    """trainkit.hf.CausalLM (a transformers Llama) trained under tp=2 x dp_shard=2, cp=2, pp=2 and HSDP (2 replicas
+    of 2 shards), exported with
     ``--submodule model``: ``AutoModelForCausalLM.from_pretrained`` loads the directory as-is and gives the trained
     model's logits (its parameters gathered whole from the ranks' parts) within 1e-5."""
     import json
