@@ -442,13 +442,31 @@ class SimWorld:
             "all_gather", group, (output, input), (tuple(input.shape), input.dtype), self._clone(input),
             lambda e: torch.cat([e[r].reshape(-1) for r in order]), lambda r: output.view(-1).copy_(r), async_op)
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, group: Any = None,
-                          async_op: bool = False) -> Any:
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list | None = None,
+                          input_split_sizes: list | None = None, group: Any = None, async_op: bool = False) -> Any:
+        """Even or uneven (``*_split_sizes`` along dimension 0): what rank i sends to rank j must be what j expects
+        from i (NCCL hangs or corrupts otherwise)."""
         order, index = (group or self.default).ranks, self._index(group)
-        return self._collective(
-            "all_to_all", group, (output, input), (tuple(input.shape), input.dtype), self._clone(input),
-            lambda e: e, lambda e: output.view(len(order), -1).copy_(
-                torch.stack([e[r].view(len(order), -1)[index] for r in order])), async_op)
+        n = len(order)
+
+        def splits(t: torch.Tensor, sizes: list | None) -> list[int]:
+            return list(sizes) if sizes is not None else [t.shape[0] // n] * n
+
+        def compute(e: dict[int, Any]) -> dict[int, Any]:
+            for i, r in enumerate(order):
+                for j, q in enumerate(order):
+                    if e[r][1][j] != e[q][2][i]:
+                        raise RuleViolation(f"all_to_all on group {order}: rank {r} sends {e[r][1][j]} rows to rank "
+                                            f"{q}, which expects {e[q][2][i]}")
+            return e
+
+        def apply(e: dict[int, Any]) -> None:
+            for chunk, r in zip(output.split(splits(output, output_split_sizes)), order, strict=True):
+                chunk.copy_(e[r][0].split(e[r][1])[index])
+
+        payload = (self._clone(input), splits(input, input_split_sizes), splits(output, output_split_sizes))
+        return self._collective("all_to_all", group, (output, input), (tuple(input.shape[1:]), input.dtype), payload,
+                                compute, apply, async_op)
 
     def barrier(self, group: Any = None, async_op: bool = False) -> Any:
         return self._collective("barrier", group, (), (), None, lambda e: None, lambda r: None, async_op)

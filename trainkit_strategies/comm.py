@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from trainkit_strategies.environment import elastic_store
 from trainkit_strategies.liveness import Heartbeat, Waiter
 
 if TYPE_CHECKING:
@@ -79,26 +80,6 @@ def _destroy_at_exit() -> None:
         time.sleep(0.1)
 
 
-def _elastic_store(env: Environment, timeout: timedelta) -> Any:
-    """The store this round of ranks meets in.
-
-    Outside torchelastic: a TCPStore served by rank 0 at MASTER_ADDR:MASTER_PORT. Under torchelastic
-    (torchrun), the store its agent provides (``env://`` reads the round's variables), with this restart
-    round's keys kept apart: torchrun's agent shares one TCPStore across restarts, so without a prefix a
-    restarted rank can read the previous round's addresses and fail to connect ("Connection refused";
-    pytorch/pytorch#135712). ``TORCHELASTIC_RESTART_COUNT`` numbers the rounds, consistently across nodes
-    as long as they restart together; for jobs whose nodes join or leave, run torchrun with
-    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a fresh store every round).
-    """
-    elastic = "TORCHELASTIC_RUN_ID" in os.environ
-    url = "env://" if elastic else f"tcp://{env.master_addr}:{env.master_port}"
-    store, _, _ = next(dist.rendezvous(url, env.rank, env.world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    if elastic:
-        store = dist.PrefixStore(f"trainkit/restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    return dist.PrefixStore("default_pg", store)
-
-
 def _copy_alone(output: Tensor, input: Tensor) -> None:
     """A collective with nobody to talk to: the output is the input. A strategy laid out for more ranks than it
     communicates with (``trainkit estimate`` measures layouts on the meta device) gets the overlapping part."""
@@ -106,6 +87,12 @@ def _copy_alone(output: Tensor, input: Tensor) -> None:
         return
     n = min(output.numel(), input.numel())
     output.view(-1)[:n].copy_(input.reshape(-1)[:n])
+
+
+def _pieces(t: Tensor) -> tuple[Tensor, ...]:
+    """``t`` as messages of at most ``MESSAGE_BYTES`` (none when it is empty)."""
+    n = t.numel() * t.element_size()
+    return t.reshape(-1).tensor_split(min(_TAG_PIECES, -(-n // MESSAGE_BYTES))) if n else ()
 
 
 class PeerError(RuntimeError):
@@ -191,7 +178,7 @@ class Comm:
                 kwargs["device_id"] = env.device
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
             timeout = timedelta(seconds=env.timeout_s)
-            store = _elastic_store(env, timeout)
+            store = elastic_store(env, timeout)
             dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
                                     timeout=timeout, **kwargs)
             atexit.register(_destroy_at_exit)  # join gloo/NCCL threads before the interpreter tears down
@@ -343,17 +330,14 @@ class Comm:
 
     def _exchange(self, send: Tensor, recv: Tensor, tag: int, distance: int = 1) -> list[Any]:
         """Post a send to the rank ``distance`` ahead and a receive from the one ``distance`` behind (one ring
-        round at distance 1), as messages of at most ``MESSAGE_BYTES``, each pair under a tag of its own."""
+        round at distance 1), each as messages of at most ``MESSAGE_BYTES`` under tags of their own (a receive is cut
+        as its sender cuts the same bytes; empty ones are not posted)."""
         ahead = self.ranks[(self.rank + distance) % self.world_size]
         behind = self.ranks[(self.rank - distance) % self.world_size]
-        pieces = min(_TAG_PIECES, max(1, -(-send.numel() * send.element_size() // MESSAGE_BYTES)))
         base = (tag % (1 << 22)) * _TAG_PIECES
-        ops = []
-        for i, (out, into) in enumerate(zip(send.reshape(-1).tensor_split(pieces),
-                                            recv.view(-1).tensor_split(pieces), strict=True)):
-            ops += [dist.P2POp(dist.isend, out, ahead, self.group, base + i),
-                    dist.P2POp(dist.irecv, into, behind, self.group, base + i)]
-        return dist.batch_isend_irecv(ops)
+        ops = [dist.P2POp(dist.isend, piece, ahead, self.group, base + i) for i, piece in enumerate(_pieces(send))]
+        ops += [dist.P2POp(dist.irecv, piece, behind, self.group, base + i) for i, piece in enumerate(_pieces(recv))]
+        return dist.batch_isend_irecv(ops) if ops else []
 
     def _ring_reduce_scatter(self, output: Tensor, input: Tensor) -> Iterator[list[Any]]:
         """Round s: send chunk r-s-1 onward, add the incoming partial sum into chunk r-s-2; after W-1
@@ -378,8 +362,11 @@ class Comm:
         for step in range(world - 1):
             yield self._exchange(chunks[(rank - step) % world], chunks[(rank - step - 1) % world], self._tag)
 
-    def all_to_all(self, output: Tensor, input: Tensor, async_op: bool = False) -> Handle:
-        """Chunk j of ``input`` (split into W equal chunks) goes to rank j; ``output``'s chunk i comes from rank i.
+    def all_to_all(self, output: Tensor, input: Tensor, async_op: bool = False,
+                   output_splits: list[int] | None = None, input_splits: list[int] | None = None) -> Handle:
+        """Chunk j of ``input`` goes to rank j; ``output``'s chunk i comes from rank i. Chunks are equal (W of them)
+        or, with ``input_splits``/``output_splits``, of those sizes along dimension 0 (``all_to_all_single``'s
+        uneven form: what each rank sends to every other, and receives from it).
 
         On gloo it runs as W-1 rounds of paired point-to-point exchanges (round s: send to rank r+s, receive
         from rank r-s), each moving one chunk per rank. Counted: the whole input.
@@ -389,12 +376,13 @@ class Comm:
             return DONE
         self._count("all_to_all", input, output)
         if self.ring:
-            return self._drive(self._pairwise_all_to_all(output, input), async_op)
-        return self._run(dist.all_to_all_single, output, input, async_op=async_op)
+            sends = input.split(input_splits) if input_splits is not None else input.view(self.world_size, -1)
+            recvs = output.split(output_splits) if output_splits is not None else output.view(self.world_size, -1)
+            return self._drive(self._pairwise_all_to_all(list(recvs), list(sends)), async_op)
+        return self._run(dist.all_to_all_single, output, input, output_splits, input_splits, async_op=async_op)
 
-    def _pairwise_all_to_all(self, output: Tensor, input: Tensor) -> Iterator[list[Any]]:
+    def _pairwise_all_to_all(self, recvs: list[Tensor], sends: list[Tensor]) -> Iterator[list[Any]]:
         world, rank = self.world_size, self.rank
-        sends, recvs = input.view(world, -1), output.view(world, -1)
         recvs[rank].copy_(sends[rank])
         self._tag += 1
         for step in range(1, world):

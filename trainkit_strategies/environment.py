@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -95,3 +98,23 @@ class Environment:
             timeout_s=timeout_s,
             peer_timeout_s=peer_timeout_s,
         )
+
+
+def elastic_store(env: Environment, timeout: timedelta) -> Any:
+    """The store this round of ranks meets in.
+
+    Outside torchelastic: a TCPStore served by rank 0 at MASTER_ADDR:MASTER_PORT. Under torchelastic
+    (torchrun), the store its agent provides (``env://`` reads the round's variables), with this restart
+    round's keys kept apart: torchrun's agent shares one TCPStore across restarts, so without a prefix a
+    restarted rank can read the previous round's addresses and fail to connect ("Connection refused";
+    pytorch/pytorch#135712). ``TORCHELASTIC_RESTART_COUNT`` numbers the rounds, consistently across nodes
+    as long as they restart together; for jobs whose nodes join or leave, run torchrun with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a fresh store every round).
+    """
+    elastic = "TORCHELASTIC_RUN_ID" in os.environ
+    url = "env://" if elastic else f"tcp://{env.master_addr}:{env.master_port}"
+    store, _, _ = next(dist.rendezvous(url, env.rank, env.world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    if elastic:
+        store = dist.PrefixStore(f"trainkit/restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return dist.PrefixStore("default_pg", store)

@@ -1,6 +1,6 @@
 """The collectives at 3 ranks (chunks that do not split evenly by 2): on gloo the ring reduce-scatter, all-gather and
 all-to-all give exactly torch's results with chunks larger than one message (several messages per round, sizes that
-do not divide evenly); all-to-all moves every chunk to its rank, and 1-bit averaging with error feedback on both
+do not divide evenly); all-to-all moves every chunk to its rank, with uneven splits too (empty ones among them), and 1-bit averaging with error feedback on both
 sides converges on the exact mean over repeated exchanges, where dropping the feedback leaves a bias."""
 
 from __future__ import annotations
@@ -63,6 +63,17 @@ def _worker(rank: int, port: int, out: str) -> None:
     comm.all_to_all(swapped, big[rank])
     results["ring_all_to_all"] = bool(torch.equal(swapped, torch.cat([b.view(WORLD, chunk)[rank] for b in big])))
 
+    # uneven: rank r sends rows(r, j) rows to rank j (none at times), a block of several messages among them
+    rows = lambda r, j: (r + 2 * j) % 4 * (1 if (r, j) != (1, 2) else MESSAGE_BYTES // 8 * 3 + 5)
+    block = lambda r, j: torch.arange(rows(r, j) * 5, dtype=torch.float64).view(-1, 5) + 1000 * r + 100 * j
+    sent = torch.cat([block(rank, j) for j in range(WORLD)])
+    received = torch.full((sum(rows(i, rank) for i in range(WORLD)), 5), -1.0, dtype=torch.float64)
+    before = comm.stats.bytes["all_to_all"]
+    comm.all_to_all(received, sent, output_splits=[rows(i, rank) for i in range(WORLD)],
+                    input_splits=[rows(rank, j) for j in range(WORLD)])
+    results["uneven_all_to_all"] = bool(torch.equal(received, torch.cat([block(i, rank) for i in range(WORLD)])))
+    results["uneven_bytes"] = [comm.stats.bytes["all_to_all"] - before, sent.numel() * 8]
+
     x = _inputs(rank)
     exact = sum(_inputs(r) for r in range(WORLD)) / WORLD
     for feedback in (True, False):
@@ -101,6 +112,8 @@ def test_compressed_collectives_at_three_ranks():
     for rank, results in enumerate(everyone):
         assert results["all_to_all"] == [source * 10 + rank for source in range(WORLD)]
         assert results["ring_reduce_scatter"] and results["ring_all_gather"] and results["ring_all_to_all"], results
+        assert results["uneven_all_to_all"], results  # every block where it belongs, the empty ones too
+        assert results["uneven_bytes"][0] == results["uneven_bytes"][1]  # counted: the whole input
         assert results["all_reduce_same_True"] and results["all_reduce_same_False"]  # every rank ends alike
         assert results["all_reduce_feedback_True"] < 0.03, results
         assert results["all_reduce_feedback_False"] > 0.2, results

@@ -313,3 +313,25 @@ def test_the_world_rejects_compute_mixing_device_and_host_tensors():
 
     with pytest.raises(RuleViolation, match="mixes tensors on the device"):
         world.run(rank)
+
+
+def test_the_world_checks_an_uneven_all_to_all_and_moves_its_blocks():
+    """What rank i sends to rank j must be what j expects from i; blocks land in order of their sources."""
+    from tests.simworld import CPU
+
+    world = SimWorld(3, device=CPU)
+    rows = lambda i, j: (i + 2 * j) % 3
+
+    def rank(r: int, expect=rows) -> torch.Tensor:
+        comm = world.comm(r)
+        sent = torch.cat([torch.full((rows(r, j), 2), 10.0 * r + j) for j in range(3)])
+        out = torch.empty(sum(expect(i, r) for i in range(3)), 2)
+        comm.all_to_all(out, sent, output_splits=[expect(i, r) for i in range(3)],
+                        input_splits=[rows(r, j) for j in range(3)])
+        return out
+
+    for r, out in enumerate(world.run(rank)):
+        assert torch.equal(out, torch.cat([torch.full((rows(i, r), 2), 10.0 * i + r) for i in range(3)]))
+    world = SimWorld(3, device=CPU)
+    with pytest.raises(RuleViolation, match="rank 1 sends 1 rows to rank 0, which expects 2"):
+        world.run(lambda r: rank(r, expect=lambda i, j: rows(i, j) if (i, j) != (1, 0) else 2))
