@@ -44,6 +44,7 @@ from trainkit.hooks import StepTiming
 from trainkit.optim import OptimizerConfig
 from trainkit.utils import infer_batch_size
 from trainkit_strategies import Precision, RunsSchedule, StepsInBackward, Strategy, capability
+from trainkit_strategies.auxiliary import collecting, with_auxiliary
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ class OptimizerStep:
     def _training_step(self, module: nn.Module, batch: Any, batch_idx: int) -> Any:
         strategy = self.strategy
         batch = strategy.local_batch(batch)  # under context parallelism: this rank's chunks of every sequence
-        with strategy.forward_context():
+        with strategy.forward_context(), collecting() as auxiliary:  # terms layers add (a MoE's balance loss)
             outputs = module.training_step(batch, batch_idx)
         loss, n = unpack_output(outputs)
         if loss is None:
@@ -151,7 +152,8 @@ class OptimizerStep:
             scale = self._window_scale(self._count)
             if self._early.step_in_backward(scale):
                 self._early_scale = scale
-        strategy.backward(loss * weight if not (isinstance(weight, float) and weight == 1.0) else loss)
+        objective = with_auxiliary(loss, auxiliary)
+        strategy.backward(objective * weight if not (isinstance(weight, float) and weight == 1.0) else objective)
         for fn in self.hooks.fns("on_after_backward"):
             fn()
         self.last_loss = loss.detach()

@@ -1,0 +1,136 @@
+"""Tokens to their experts and back: sorted by expert and computed as one grouped matrix product per projection,
+locally or, under expert parallelism, sent to the ranks holding their experts by all-to-all.
+
+Dropless: every assignment reaches its expert (the number per expert varies from step to step: the counts cross to
+the host, as in Megatron-Core's and torchtitan's dropless dispatch). With ``ep`` ranks each holding E/ep consecutive
+experts, a rank sends each of them the rows for its experts (``Comm.all_to_all`` with uneven splits, the counts
+known to both ends by an all-gather of every rank's counts first), computes its experts on what it received, and
+sends the results back the same way; backward runs the two all-to-alls the other way. On the meta device and in fake
+tensors (``trainkit estimate``) the counts are unknown: routing is planned as balanced.
+
+The experts are SwiGLU MLPs held as stacked weights ``w1``, ``w3`` [experts, dim, hidden] and ``w2`` [experts,
+hidden, dim]: ``w2(silu(x w1) * x w3)``. They run as ``F.grouped_mm`` where torch has it for the device and dtype
+(the first failure is remembered, with its reason, and the experts loop from then on).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
+from torch.autograd import Function
+
+from trainkit_strategies.comm import Comm
+from trainkit_strategies.experts.routing import count_experts
+
+_grouped_fails: dict[tuple[str, torch.dtype], str] = {}  # (device type, dtype) -> why grouped_mm failed there
+
+
+class _AllToAll(Function):
+    """Rows to other ranks (uneven splits); its backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: Tensor, comm: Comm, received: list[int], sent: list[int]) -> Tensor:
+        ctx.comm, ctx.received, ctx.sent = comm, received, sent
+        out = rows.new_empty((sum(received), *rows.shape[1:]))
+        comm.all_to_all(out, rows.contiguous(), output_splits=received, input_splits=sent)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        out = grad.new_empty((sum(ctx.sent), *grad.shape[1:]))
+        ctx.comm.all_to_all(out, grad.contiguous(), output_splits=ctx.sent, input_splits=ctx.received)
+        return out, None, None, None
+
+
+class _ContiguousGrad(Function):
+    """The identity, whose backward hands on a contiguous gradient (grouped_mm's backward takes no other)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
+def unknown(t: Tensor) -> bool:
+    """Whether ``t``'s values are unknown (meta and fake tensors: planning)."""
+    return t.is_meta or is_fake(t)
+
+
+def _balanced(total: int, parts: int) -> list[int]:
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def grouped_mm_fallback() -> dict[tuple[str, torch.dtype], str]:
+    """Where grouped_mm failed and the experts loop instead: (device type, dtype) -> the error."""
+    return dict(_grouped_fails)
+
+
+def _gmm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    return _ContiguousGrad.apply(F.grouped_mm(x, w, offs=offsets))
+
+
+def experts_forward(x: Tensor, counts: list[int], w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
+    """SwiGLU of each expert on its rows of ``x`` (sorted by expert, ``counts[e]`` rows for expert e)."""
+    key = (x.device.type, x.dtype)
+    if hasattr(F, "grouped_mm") and key not in _grouped_fails and x.shape[0] > 0:
+        offsets = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=x.device)
+        try:
+            return _gmm(F.silu(_gmm(x, w1, offsets)) * _gmm(x, w3, offsets), w2, offsets)
+        except (RuntimeError, NotImplementedError) as err:  # a device or dtype grouped_mm does not take
+            _grouped_fails[key] = str(err).splitlines()[0]
+    outs = [F.silu(part @ w1[e]) * (part @ w3[e]) @ w2[e] for e, part in enumerate(x.split(counts))]
+    return torch.cat(outs) if outs else x.new_zeros((0, w2.shape[-1]))
+
+
+def dispatch(tokens: Tensor, experts: Tensor, weights: Tensor, keep: Tensor | None, num_experts: int,
+             w1: Tensor, w3: Tensor, w2: Tensor, ep: Comm | None = None) -> tuple[Tensor, Tensor]:
+    """``sum_k weights[t, k] * expert_{experts[t, k]}(tokens[t])`` for every token [tokens, dim] (assignments
+    outside ``keep`` left out), and the assignments each expert took [num_experts]. Under ``ep`` this rank holds
+    experts ``rank * E/ep ...`` (``w1.shape[0]`` of them) and exchanges rows with the group."""
+    total, k = experts.shape
+    flat = experts.reshape(-1)
+    weight = weights.reshape(-1)
+    token = torch.arange(total, device=tokens.device).repeat_interleave(k)
+    if keep is not None and not unknown(keep):  # (planned as if nothing were dropped)
+        kept = keep.reshape(-1)
+        flat, weight, token = flat[kept], weight[kept], token[kept]
+    order = torch.argsort(flat, stable=True)
+    token, weight = token[order], weight[order]
+    counts = count_experts(flat, num_experts)
+    per_expert = _balanced(int(flat.numel()), num_experts) if unknown(counts) else [int(c) for c in counts.tolist()]
+    rows = tokens[token]
+    if ep is None or not ep.active:
+        out = experts_forward(rows, per_expert, w1, w3, w2)
+    else:
+        out = _expert_parallel(rows, counts, per_expert, num_experts, w1, w3, w2, ep)
+    combined = torch.zeros_like(tokens).index_add(0, token, out * weight.unsqueeze(-1).to(out.dtype))
+    return combined, counts
+
+
+def _expert_parallel(rows: Tensor, counts: Tensor, per_expert: list[int], num_experts: int, w1: Tensor, w3: Tensor,
+                     w2: Tensor, ep: Comm) -> Tensor:
+    size, local = ep.world_size, w1.shape[0]
+    everyone = counts.new_empty(size * num_experts)
+    ep.all_gather(everyone, counts)  # every rank's counts for every expert: both ends of each transfer know its size
+    table = per_expert * size if unknown(everyone) else [int(c) for c in everyone.tolist()]
+    mine = ep.rank * local
+    sent = [sum(per_expert[j * local:(j + 1) * local]) for j in range(size)]
+    from_each = [table[s * num_experts + mine:s * num_experts + mine + local] for s in range(size)]
+    received = [sum(c) for c in from_each]
+    arrived = _AllToAll.apply(rows, ep, received, sent)  # by source rank, then by expert
+    expert_of = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(size),
+                                        torch.tensor([c for cs in from_each for c in cs], device=rows.device),
+                                        output_size=sum(received))
+    order = torch.argsort(expert_of, stable=True)
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel(), device=order.device)
+    computed = experts_forward(arrived[order], [sum(c[e] for c in from_each) for e in range(local)], w1, w3, w2)
+    return _AllToAll.apply(computed[back], ep, sent, received)
