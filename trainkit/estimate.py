@@ -45,9 +45,9 @@ from trainkit_strategies import (
 )
 from trainkit_strategies.context.huggingface import without_masks
 from trainkit_strategies.memory import LiveBytes
-from trainkit_strategies.parallel import plan_for
 from trainkit_strategies.plan_comm import PlanComm
 from trainkit_strategies.sharding.units import repeated_layers
+from trainkit_strategies.tensor.planned import plan_for
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero_offload", "zero3", "fsdp", "pipeline")
 AUTO_ORDER = ("ddp", "zero1", "zero2", "fsdp", "zero_offload")  # fastest first, as strategy="auto" tries them
@@ -342,8 +342,8 @@ def estimate(module: nn.Module, batch: Any, world_size: int = 1, precision: str 
             key = (tuple(sorted((n, str(d)) for n, d in dtypes.items())), label if rewritten else "")
             if key not in traced:
                 rewrite = lambda m, s=strategy: s.activation_model(m, torch.device(trace_on))
-                traced[key] = _activations(module, strategy.local_batch(batch), policy, trace_on, activation_checkpointing, dtypes, rewrite,
-                                           activation_checkpointing_every)
+                traced[key] = _activations(module, strategy.local_batch(batch), policy, trace_on,
+                                           activation_checkpointing, dtypes, rewrite, activation_checkpointing_every)
             plain, checkpointed, selective = traced[key]
         report = strategy.memory_report()
         rows.append(StrategyEstimate(label, report.device_total, report.host_total, plain, checkpointed,

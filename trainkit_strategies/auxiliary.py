@@ -13,8 +13,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
+import torch
 from torch import Tensor
+from torch.autograd import Function
 
 _local = threading.local()  # .stack: the lists of the collecting contexts this thread is inside (ranks as threads)
 
@@ -33,15 +36,40 @@ def collecting() -> Iterator[list[Tensor]]:
         stack.pop()
 
 
-def add_auxiliary_loss(term: Tensor) -> None:
-    """Add ``term`` (a scalar in the autograd graph) to the objective of the step collecting, if any."""
+def add_auxiliary_loss(term: Tensor, tokens: int = 1) -> None:
+    """Add ``term`` (a scalar in the autograd graph: a mean over ``tokens`` tokens) to the objective of the step
+    collecting, if any. Where no loss is computed beside it (a pipeline stage before the last), the term is
+    weighted by its ``tokens`` as the loss is by its items: a language model's items are its tokens."""
     stack = getattr(_local, "stack", None)
     if stack and term.requires_grad:
+        term.auxiliary_tokens = tokens  # type: ignore[attr-defined]
         stack[-1].append(term)
 
 
 def with_auxiliary(loss: Tensor, found: list[Tensor]) -> Tensor:
-    """``loss`` plus the terms collected for it."""
+    """``loss`` plus the terms collected for it (weighted as it is)."""
     for term in found:
         loss = loss + term.to(loss.dtype)
     return loss
+
+
+class _Attached(Function):
+    """``x`` unchanged; in backward, ``term`` receives a gradient of one whenever ``x`` receives its gradient (so a
+    pipeline stage's auxiliary terms join the backward its output's gradient starts)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, term: Tensor) -> Tensor:
+        ctx.like = term
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        return grad, torch.ones_like(ctx.like)
+
+
+def attached(x: Tensor, found: list[Tensor], weight: float | Tensor) -> Tensor:
+    """``x`` carrying the terms ``found``, each weighted by ``weight`` per token (a pipeline stage's output)."""
+    if not found:
+        return x
+    total = sum(term.float() * term.auxiliary_tokens for term in found) * weight  # type: ignore[attr-defined]
+    return _Attached.apply(x, total)

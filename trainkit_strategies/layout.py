@@ -1,6 +1,6 @@
 """The layout of the ranks: named degrees of parallelism over the world, and each axis's communicators.
 
-A ``Layout`` is the grid ``arange(world).view(pp, dp_replicate, dp_shard, cp, tp)``: rank ``r``'s coordinate on an
+A ``Layout`` is the grid ``arange(world).view(pp, dp_replicate, dp_shard, ep, cp, tp)``: rank ``r``'s coordinate on an
 axis is its index along that dimension. ``tp`` is innermost, so the ranks of one tensor-parallel group are
 consecutive (one node, where its per-layer all-reduces are cheap); ``pp`` is outermost, so pipeline stages are
 the groups that cross nodes (one point-to-point transfer per micro-batch). The same order as torchtitan's
@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 
 from trainkit_strategies.comm import Comm
 
-AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
+AXES = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")  # outermost first
 
 
 @dataclass(frozen=True)
@@ -28,8 +28,9 @@ class Layout:
     Attributes:
         pp: pipeline stages. dp_replicate: replicas of the model (gradients all-reduced across them).
         dp_shard: ranks a replica's parameters, gradients and optimizer state are sharded over (FSDP units);
-            with ``dp_replicate`` > 1 as well this is HSDP. cp: context parallelism (slices of each sequence).
-        tp: tensor parallelism (layers split across ranks; Megatron-LM).
+            with ``dp_replicate`` > 1 as well this is HSDP. ep: expert parallelism (a mixture of experts' experts
+            divided among ranks that read different batches: data-parallel ranks too). cp: context parallelism
+            (slices of each sequence). tp: tensor parallelism (layers split across ranks; Megatron-LM).
     """
 
     pp: int = 1
@@ -37,6 +38,7 @@ class Layout:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
         bad = [f"{f.name}={getattr(self, f.name)}" for f in fields(self) if getattr(self, f.name) < 1]
@@ -52,8 +54,8 @@ class Layout:
 
     @property
     def dp(self) -> int:
-        """Data-parallel replicas of the batch: ranks reading different data."""
-        return self.dp_replicate * self.dp_shard
+        """Data-parallel replicas of the batch: ranks reading different data (the expert-parallel ones among them)."""
+        return self.dp_replicate * self.dp_shard * self.ep
 
     def __str__(self) -> str:
         parts = [f"{axis}={n}" for axis, n in self.degrees().items() if n > 1]
@@ -147,15 +149,15 @@ def check_degrees(**degrees: int | None) -> None:
 
 
 def resolve_layout(world_size: int, ranks_per_node: int, tp_across_nodes: bool, pp: int, tp: int, dp_replicate: int,
-                   dp_shard: int | None, cp: int = 1) -> Layout:
+                   dp_shard: int | None, cp: int = 1, ep: int = 1) -> Layout:
     """The layout of these degrees at ``world_size`` (``dp_shard`` None: what the others leave), checked."""
     if dp_shard is None:
-        rest = pp * tp * dp_replicate * cp
+        rest = pp * tp * dp_replicate * cp * ep
         if world_size % rest:
-            raise ValueError(f"parallel: pp={pp} x tp={tp} x cp={cp} x dp_replicate={dp_replicate} = {rest} does not "
-                             f"divide the {world_size} ranks; choose degrees whose product divides the world "
+            raise ValueError(f"parallel: pp={pp} x tp={tp} x cp={cp} x ep={ep} x dp_replicate={dp_replicate} = {rest} "
+                             f"does not divide the {world_size} ranks; choose degrees whose product divides the world "
                              "(dp_shard takes what is left).")
         dp_shard = world_size // rest
-    layout = Layout(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)
+    layout = Layout(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
     layout.check(world_size, ranks_per_node or None, tp_across_nodes)
     return layout

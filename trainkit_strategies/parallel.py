@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
@@ -39,21 +39,22 @@ from trainkit_strategies.comm import Comm
 from trainkit_strategies.context.huggingface import adopt as adopt_huggingface
 from trainkit_strategies.context.ring import METHODS, ContextParallel, context_parallel, shard_sequence
 from trainkit_strategies.environment import Environment
+from trainkit_strategies.experts.context import ExpertContext, expert_context
+from trainkit_strategies.experts.parallel import ExpertParallel
 from trainkit_strategies.layout import Layout, Mesh, check_degrees, resolve_layout
 from trainkit_strategies.norms import combine_norm
 from trainkit_strategies.pipeline.executor import STAGE_AXES, Pipeline, check_schedule
 from trainkit_strategies.pipeline.microbatches import missing_hooks
-from trainkit_strategies.plan_comm import PlanComm
 from trainkit_strategies.precision import Precision, dtype_named
 from trainkit_strategies.registry import get_strategy, strategy_class
 from trainkit_strategies.tensor.huggingface import indivisible_heads
-from trainkit_strategies.tensor.huggingface import plan_of as hf_plan_of
 from trainkit_strategies.tensor.layers import Split
 from trainkit_strategies.tensor.plan import Applied, apply_plan
+from trainkit_strategies.tensor.planned import gathered, plan_for, same_start, split_for_trace, unplanned
 from trainkit_strategies.wrapper import Wrapper
 
-AXES_USED = [("tp",), ("dp_shard", "cp"), ("dp_replicate",), ("dp_replicate", "dp_shard", "cp"),
-             ("pp", "dp_replicate", "dp_shard", "cp"), ("cp",)]
+AXES_USED = [("tp",), ("dp_shard", "cp"), ("dp_replicate",), ("dp_replicate", "dp_shard", "ep", "cp"),
+             ("pp", "dp_replicate", "dp_shard", "ep", "cp"), ("cp",), ("ep",), ("cp", "tp"), ("ep", "tp")]
 ENGINES = ("ddp", "zero1", "zero2", "zero_offload", "zero3", "fsdp")  # every one-axis preset is one of these
 
 
@@ -103,9 +104,9 @@ class ParallelStrategy(Wrapper, Parallelizes):
                  virtual_stages: int = 1, split: list[int] | None = None, reshard_after_forward: bool = True,
                  prefetch: bool = True, reduce_dtype: str | None = None, bucket_mb: float = 25.0,
                  tp_across_nodes: bool = False, cp: int = 1, cp_method: str = "ring",
-                 data_parallel: str | None = None, engine_options: dict[str, Any] | None = None) -> None:
+                 data_parallel: str | None = None, engine_options: dict[str, Any] | None = None, ep: int = 1) -> None:
         super().__init__()
-        check_degrees(tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, pp=pp, cp=cp)
+        check_degrees(tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, pp=pp, cp=cp, ep=ep)
         if cp_method not in METHODS:
             raise ValueError(f"parallel cp_method must be one of {METHODS}; got {cp_method!r}.")
         if data_parallel is not None and data_parallel not in ENGINES:
@@ -115,7 +116,8 @@ class ParallelStrategy(Wrapper, Parallelizes):
                              "tp, dp_shard and dp_replicate): use pp=1, or cp=1.")
         dtype_named(reduce_dtype, f"{self.name} reduce_dtype")  # checked here; the sharding engine uses it
         self.tp, self.dp_shard, self.dp_replicate, self.pp = tp, dp_shard, dp_replicate, pp
-        self.cp, self.cp_method = cp, cp_method
+        self.cp, self.cp_method, self.ep = cp, cp_method, ep
+        self.experts: ExpertParallel | None = None
         self._cp: ContextParallel | None = None
         self.sequence_parallel = sequence_parallel and tp > 1
         self.reshard_after_forward, self.prefetch, self.reduce_dtype = reshard_after_forward, prefetch, reduce_dtype
@@ -133,6 +135,8 @@ class ParallelStrategy(Wrapper, Parallelizes):
         self._replicated: list[Tensor] = []
         self._strided: dict[str, st.Strided] = {}
         self._split_of: dict[str, Split] = {}  # the engine's parameter names -> how tensor parallelism split them
+        self._expert_split_of: dict[str, Split] = {}  # ... -> how expert parallelism divided them
+        self._dense: list[Tensor] = []  # under ep: the parameters every rank of the group holds whole
         self._whole_shapes: dict[str, tuple[int, ...]] = {}
         self._whole_shape: dict[Tensor, tuple[int, ...]] = {}  # by parameter, as parallelize found them
         self._parallelized = False
@@ -144,12 +148,13 @@ class ParallelStrategy(Wrapper, Parallelizes):
         replicates = self.data_parallel is not None and strategy_class(self.data_parallel).data_axis == "dp_replicate"
         if self.dp_shard is None and self.dp_replicate == 1 and replicates:
             layout = resolve_layout(world_size, ranks_per_node, self.tp_across_nodes, pp=self.pp, tp=self.tp,
-                                    dp_replicate=1, dp_shard=None, cp=self.cp)
-            layout = Layout(pp=layout.pp, dp_replicate=layout.dp_shard, dp_shard=1, cp=layout.cp, tp=layout.tp)
+                                    dp_replicate=1, dp_shard=None, cp=self.cp, ep=self.ep)
+            layout = Layout(pp=layout.pp, dp_replicate=layout.dp_shard, dp_shard=1, cp=layout.cp, tp=layout.tp,
+                            ep=layout.ep)
             layout.check(world_size, ranks_per_node or None, self.tp_across_nodes)
             return layout
         return resolve_layout(world_size, ranks_per_node, self.tp_across_nodes, pp=self.pp, tp=self.tp,
-                              dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp)
+                              dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, ep=self.ep)
 
     def setup_environment(self, env: Environment, comm: Comm | None = None) -> None:
         Strategy.setup_environment(self, env, comm)
@@ -159,8 +164,9 @@ class ParallelStrategy(Wrapper, Parallelizes):
         self.tp_comm = self.mesh.comm("tp")
         # ranks holding different tokens: counts and metrics are summed over them, gradients too (the sharding
         # engine's group takes in the context-parallel ranks: torchtitan's dp_shard x cp)
-        self.dp_comm = self.mesh.comm(("dp_replicate", "dp_shard", "cp"))
-        self.items_comm = self.mesh.comm(("pp", "dp_replicate", "dp_shard", "cp"))  # every rank but tp's peers
+        self.dp_comm = self.mesh.comm(("dp_replicate", "dp_shard", "ep", "cp"))
+        self.items_comm = self.mesh.comm(("pp", "dp_replicate", "dp_shard", "ep", "cp"))  # every rank but tp's peers
+        self.experts = ExpertParallel(self.mesh.comm("ep")) if self.layout.ep > 1 else None
         shard, replicate = self.mesh.comm(("dp_shard", "cp")), self.mesh.comm("dp_replicate")
         # attention's traffic rides on the sharding engine's communicator, between the ranks of this cp group
         peers = self.layout.group(self.mesh.world.rank, ("cp",))
@@ -169,6 +175,7 @@ class ParallelStrategy(Wrapper, Parallelizes):
         self.tp_rank = coords["tp"]
         if self.pipeline is not None:
             self.pipeline.connect(self.comm, self.mesh, self.device)
+            self.pipeline.around = lambda: expert_context(self._experts_here())  # its stages' MoE layers
         name, group = self._engine(self.layout)
         self.inner = self._make_engine(name)
         local = dataclasses.replace(env, rank=group.rank, local_rank=group.rank, world_size=group.world_size)
@@ -212,7 +219,8 @@ class ParallelStrategy(Wrapper, Parallelizes):
     def dp_rank(self) -> int:
         """The rank's batch: the context- and tensor-parallel ranks of one data-parallel coordinate read the same."""
         assert self.mesh is not None
-        return self.mesh.coords["dp_replicate"] * self.layout.dp_shard + self.mesh.coords["dp_shard"]
+        coords = self.mesh.coords
+        return (coords["dp_replicate"] * self.layout.dp_shard + coords["dp_shard"]) * self.layout.ep + coords["ep"]
 
     @property
     def dp_size(self) -> int:
@@ -240,12 +248,20 @@ class ParallelStrategy(Wrapper, Parallelizes):
 
     @contextlib.contextmanager
     def _forward_context(self) -> Iterator[None]:
-        with self.inner.forward_context(), context_parallel(self._cp):  # attention across the cp group, if any
-            yield
+        with self.inner.forward_context(), context_parallel(self._cp), expert_context(self._experts_here()):
+            yield  # attention across the cp group, experts across the ep group, if any
 
     def backward(self, loss: Tensor, gradient: Tensor | None = None) -> None:
-        with context_parallel(self._cp):  # recomputed blocks (activation checkpointing) attend across the group
+        with context_parallel(self._cp), expert_context(self._experts_here()):  # for blocks recomputed in backward
             self.inner.backward(loss, gradient)
+
+    def _experts_here(self) -> ExpertContext | None:
+        """Where a MoE layer's experts and the other parts of its sequences are (``experts/context.py``)."""
+        if self.mesh is None:
+            return None
+        slices = self.tp if self.sequence_parallel else 1  # under sequence parallelism each tp rank routes a slice
+        return ExpertContext(self.experts.comm if self.experts is not None else None,
+                             self.mesh.comm(("cp", "tp") if self.sequence_parallel else ("cp",)), slices)
 
     def ability(self, kind: type) -> Any:
         """Its pipeline runs the schedules (``RunsSchedule``) when it has stages; the engine steps during backward
@@ -274,8 +290,11 @@ class ParallelStrategy(Wrapper, Parallelizes):
             heads = indivisible_heads(module, self.tp)
             if heads is not None:
                 raise ValueError(f"Strategy 'parallel' with tp={self.tp}: {heads}")
-            self._same_start(module)
+            same_start(module, self.tp_comm, self.device)
             self.applied = apply_plan(module, plan, self.tp_comm, self.sequence_parallel)
+        if self.experts is not None:
+            same_start(module, self.mesh.comm("ep"), self.device)  # each rank cuts its experts from one whole
+            self.experts.divide(module)
         if self.cp > 1:
             adopt_huggingface(module)  # Hugging Face attention across the cp group, with the rank's positions
         self._sync_metrics_over_data(module)
@@ -299,6 +318,13 @@ class ParallelStrategy(Wrapper, Parallelizes):
         self._replicated = [p for p in target.parameters() if p not in self.applied.splits]
         if self.tp > 1:
             self.inner.keep_apart(self._replicated)  # summed across tp, counted once
+        if self.experts is not None:
+            experts = {names[p]: split for p, split in self.experts.splits.items() if p in names}
+            self._expert_split_of = experts
+            self._strided |= {n: st.Strided(*split.strides(self._whole_shapes[n], self.experts.rank))
+                              for n, split in experts.items()}
+            self._dense = self.experts.replicated(list(target.parameters()))
+            self.inner.keep_apart(self._dense)  # summed across ep, counted once
         self.inner.setup(target, optimizer, precision)
         if self.pipeline is not None:
             self._place(module)  # what no stage holds: metric states, say
@@ -319,16 +345,6 @@ class ParallelStrategy(Wrapper, Parallelizes):
                 elif self.tp_comm.world_size > 1:
                     metric.sync_on_compute = metric._to_sync = False  # no other rank read other data
 
-    def _same_start(self, module: nn.Module) -> None:
-        """Every tensor-parallel rank cuts its part from tensor-parallel rank 0's values (a rank that drew other
-        initial values would otherwise train a model no single process has)."""
-        with torch.no_grad():
-            for p in module.parameters():
-                if not p.is_meta:
-                    on_device = p.data.to(self.device)
-                    self.tp_comm.broadcast(on_device, src=0)
-                    p.data.copy_(on_device)
-
     # -- gradients -----------------------------------------------------------------------------------
     def reduce_gradients(self, scale: float | Tensor) -> None:
         self.inner.reduce_gradients(scale)
@@ -344,6 +360,8 @@ class ParallelStrategy(Wrapper, Parallelizes):
                 for g in group:
                     g.copy_(flat[offset : offset + g.numel()].view_as(g))
                     offset += g.numel()
+        if self.experts is not None:  # all but the experts saw other tokens on each rank of the group
+            self.experts.sum_replicated(self.inner.gradients_of(self._dense))
         if self.pipeline is not None:
             self.pipeline.reduce_tied()
 
@@ -351,17 +369,22 @@ class ParallelStrategy(Wrapper, Parallelizes):
         """The engine's norm of this rank's slices (whole parameters counted on tensor-parallel rank 0 only, a
         parameter tied across stages on its first stage), combined across the tensor-parallel group and the stages."""
         others = self._replicated if self.tp_rank != 0 else []
+        if self.experts is not None and self.experts.rank != 0:
+            others = [*others, *self._dense]  # whole on every rank of the ep group: counted on its first
         tied = self.pipeline.counted_elsewhere() if self.pipeline is not None else []
         norm = combine_norm(self.inner.grad_norm(norm_type, [*exclude, *others, *tied]), norm_type, self.tp_comm)
+        if self.experts is not None:
+            norm = combine_norm(norm, norm_type, self.experts.comm)
         return combine_norm(norm, norm_type, self.pipeline.pipe) if self.pipeline is not None else norm
 
     def own_comms(self) -> list[Comm]:
-        return [self.tp_comm, self.dp_comm, *(self.pipeline.own_comms() if self.pipeline is not None else [])]
+        return [self.tp_comm, self.dp_comm, *([self.experts.comm] if self.experts is not None else []),
+                *(self.pipeline.own_comms() if self.pipeline is not None else [])]
 
     def comms_by_axis(self) -> dict[str, list[Comm]]:
         assert self.mesh is not None
         axes = {"tp": [self.tp_comm], "dp_shard": [self.mesh.comm(("dp_shard", "cp"))],
-                "dp_replicate": [self.mesh.comm("dp_replicate")]}
+                "dp_replicate": [self.mesh.comm("dp_replicate")], "ep": [self.mesh.comm("ep")]}
         if self.pipeline is not None:
             axes["pp"] = [self.comm, *self.pipeline.own_comms()]
         listed = {id(c) for comms in axes.values() for c in comms}
@@ -416,29 +439,27 @@ class ParallelStrategy(Wrapper, Parallelizes):
         inner = self.inner.state_layout()
         first_replica = self.mesh.coords["dp_replicate"] == 0
 
-        def convert(holder: st.Holder) -> st.Holder:
+        expert_rank = self.experts.rank if self.experts is not None else 0
+
+        def convert(holder: st.Holder) -> st.Holder:  # a part written by its rank, a whole one by the group's first
             segments = tuple(dataclasses.replace(s, strided=self._strided.get(s.name)) for s in holder.segments)
-            split = bool(segments) and all(s.strided is not None for s in segments)
-            return st.Holder(holder.tensor, segments, holder.write and first_replica and (split or self.tp_rank == 0))
+            split = bool(segments) and all(s.name in self._split_of for s in segments)
+            experts = bool(segments) and all(s.name in self._expert_split_of for s in segments)
+            write = first_replica and (split or self.tp_rank == 0) and (experts or expert_rank == 0)
+            return st.Holder(holder.tensor, segments, holder.write and write)
 
         layout = st.StateLayout({**inner.shapes, **self._whole_shapes}, [convert(h) for h in inner.model],
                                 inner.optimizer, [convert(h) for h in inner.optimizer_holders], inner.group_names)
         return layout if self.pipeline is None else self.pipeline.renamed(layout, self._group_names)
 
     def _whole(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Split tensors made whole from every tensor-parallel rank's part (collective over the group), then, under a
-        pipeline, every stage's gathered."""
-        if self.tp_comm.active:
-            out = {}
-            for name, t in tensors.items():
-                split = self._split_of.get(name)
-                if split is not None:
-                    t = t.contiguous()
-                    parts = t.new_empty((self.tp_comm.world_size, *t.shape))
-                    self.tp_comm.all_gather(parts.view(-1), t.view(-1))
-                    t = split.whole(list(parts))
-                out[name] = t
-            tensors = out
+        """Split tensors made whole from every tensor-parallel (expert-parallel) rank's part (collective over the
+        group), then, under a pipeline, every stage's gathered."""
+        experts = self.experts.comm if self.experts is not None else self.tp_comm
+        for comm, splits in ((self.tp_comm, self._split_of), (experts, self._expert_split_of)):
+            if comm.active and splits:
+                tensors = {name: gathered(t, splits[name], comm) if name in splits else t
+                           for name, t in tensors.items()}
         return tensors if self.pipeline is None else self.pipeline.gathered(tensors)
 
     def full_parameters(self) -> dict[str, Tensor]:
@@ -447,27 +468,3 @@ class ParallelStrategy(Wrapper, Parallelizes):
     def full_gradients(self) -> dict[str, Tensor]:
         return self._whole(self.inner.full_gradients())
 
-
-def plan_for(module: nn.Module) -> Mapping[str, Any] | None:
-    """The module's ``tensor_parallel_plan()``, or else the plan of the Hugging Face models it holds (their own,
-    with the entries sequence parallelism needs: ``tensor/huggingface.py``), or None."""
-    plan = getattr(module, "tensor_parallel_plan", None)
-    return plan() if callable(plan) else hf_plan_of(module)
-
-
-def unplanned(module: nn.Module, tp: int) -> str | None:
-    if tp <= 1:
-        return None
-    try:
-        found = plan_for(module)
-    except ValueError as err:
-        return str(err)
-    return indivisible_heads(module, tp) if found is not None else "the module has no tensor_parallel_plan()"
-
-
-def split_for_trace(model: nn.Module, tp: int, sequence_parallel: bool, device: torch.device) -> nn.Module:
-    """``model`` with its plan applied as one tensor-parallel rank computes it, over a ``PlanComm`` (collectives
-    counted, none performed: the shapes and the bytes saved for backward are a rank's)."""
-    if tp > 1:
-        apply_plan(model, plan_for(model) or {}, PlanComm(tp, 0, device), sequence_parallel)
-    return model

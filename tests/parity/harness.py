@@ -204,6 +204,15 @@ def _module_and_data(case: Case, world_size: int) -> tuple[Any, Any]:
         module = Llama(vocab_size=16, max_seq_len=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64,
                        warmup_steps=2, max_steps=10, adam_eps=1e-3)
         return module, TokenWindows(MarkovChain(16, 0.5, seed=3).sample(samples, 17, seed=4))
+    if case.model in ("moe", "moe_capacity"):  # examples/moe.py: a Mixtral (llama's blocks, MoE MLPs of 4 experts)
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+        from moe import Mixtral
+
+        torch.manual_seed(0)
+        module = Mixtral(vocab_size=16, max_seq_len=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=32,
+                         experts=4, top_k=2, balance_coef=0.1, z_coef=0.01, warmup_steps=2, max_steps=10,
+                         adam_eps=1e-3, capacity_factor=4.0 if case.model == "moe_capacity" else None)
+        return module, TokenWindows(MarkovChain(16, 0.5, seed=3).sample(samples, 17, seed=4))
     if case.model.startswith("hf_"):  # a Hugging Face model through trainkit.hf.CausalLM, its own tp plan
         from trainkit.hf import CausalLM
 
@@ -234,7 +243,7 @@ def run_case(case: Case, world_size: int, per_rank_batch: int, accelerator: str)
 
         torch._dynamo.reset()  # every case compiles afresh (and never meets dynamo's limit of graphs per function)
         counters.clear()
-    tokens = case.model in ("gpt", "gpt6", "llama")
+    tokens = case.model in ("gpt", "gpt6", "llama", "moe", "moe_capacity")
     val_data = (TokenWindows(MarkovChain(16, 0.5, seed=3).sample(13, 17, seed=5)) if tokens
                 else regression_data(13, seed=5))
     val = DataLoader(val_data, batch_size=per_rank_batch) if case.validate else None

@@ -1,7 +1,8 @@
 """The collectives at 3 ranks (chunks that do not split evenly by 2): on gloo the ring reduce-scatter, all-gather and
 all-to-all give exactly torch's results with chunks larger than one message (several messages per round, sizes that
-do not divide evenly); all-to-all moves every chunk to its rank, with uneven splits too (empty ones among them), and 1-bit averaging with error feedback on both
-sides converges on the exact mean over repeated exchanges, where dropping the feedback leaves a bias."""
+do not divide evenly); all-to-all moves every chunk to its rank, with uneven splits too (empty ones among them); and
+1-bit averaging with error feedback on both sides converges on the exact mean over repeated exchanges, where
+dropping the feedback leaves a bias."""
 
 from __future__ import annotations
 

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
+from trainkit_strategies.auxiliary import attached, collecting, with_auxiliary
 from trainkit_strategies.base import Strategy
 from trainkit_strategies.capabilities import RunsSchedule
 from trainkit_strategies.comm import Comm, Handle
@@ -105,6 +106,7 @@ class Pipeline(RunsSchedule):
         self._to_global: dict[str, str] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._actions: dict[int, list] = {}  # micro-batch count -> this stage's schedule
+        self.around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # the layout's contexts
 
     # -- topology ------------------------------------------------------------------------------------
     def connect(self, comm: Comm, mesh: Mesh, device: torch.device) -> None:
@@ -281,16 +283,19 @@ class Pipeline(RunsSchedule):
                 elif kind == "F":
                     x = inputs[key] if k else model_input(module, chunks[mb])
                     meter = ActivationMeter(self._stage.parameters()) if self.measure_activations else None
-                    with self.engine.forward_context(), meter or contextlib.nullcontext():
+                    with self.engine.forward_context(), self.around(), collecting() as auxiliary, \
+                            meter or contextlib.nullcontext():
                         out = self._stage.chunks[c](x)
                         if k == last_k:
                             loss, n = loss_items(module.pipeline_loss(out, chunks[mb]), chunks[mb])
                             loss_sum += loss.detach().double() * n
                             items = items + n
-                            out = loss * (n * weight)
+                            out = with_auxiliary(loss, auxiliary) * (n * weight)
                             if mb == len(chunks) - 1:
                                 count = items.clamp(min=1) if isinstance(items, Tensor) else max(items, 1.0)
                                 mean.copy_((loss_sum / count).float().reshape(1))
+                        else:  # the layers' auxiliary terms ride on the output's gradient
+                            out = attached(out, auxiliary, weight)
                     outputs[key] = out
                     held[key] = meter.bytes if meter else 0
                     live, live_bytes = live + 1, live_bytes + held[key]
@@ -305,7 +310,8 @@ class Pipeline(RunsSchedule):
                     if split and k:  # the input's gradient now, the weights' at W
                         input_grads[key], weights[key] = input_gradient(out, grad, inputs.pop(key), self._params[c])
                         continue
-                    self.engine.backward(out, grad)
+                    with self.around():
+                        self.engine.backward(out, grad)
                     if k:
                         input_grads[key] = inputs.pop(key).grad
                     live, live_bytes = live - 1, live_bytes - held.pop(key)
@@ -318,7 +324,7 @@ class Pipeline(RunsSchedule):
                 elif kind == "W":
                     pending = weights.pop(key, None)
                     if pending is not None:  # else B ran the whole backward (the first chunk: no input gradient)
-                        with self.engine.backward_pass():
+                        with self.engine.backward_pass(), self.around():
                             pending.run()
                         live, live_bytes = live - 1, live_bytes - held.pop(key)
         before = time.perf_counter()
@@ -345,7 +351,7 @@ class Pipeline(RunsSchedule):
         last_k = self.stages * self.virtual_stages - 1
         totals: dict[str, tuple[Tensor, float]] = {}
         sends: list[Handle] = []
-        with torch.no_grad(), self.engine.forward_context():
+        with torch.no_grad(), self.engine.forward_context(), self.around():
             for c, k in enumerate(self._virtual):  # every micro-batch through chunk 0, then chunk 1, ...
                 for mb, chunk in enumerate(chunks):
                     key = ("eval", signature(chunk))

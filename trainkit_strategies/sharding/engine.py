@@ -142,9 +142,8 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         self.units, params_of = assign_units(module, names, self.unit_modules(module), self.is_persistent)
         layouts: dict[int, list[FlatBucket]] = {}
 
-        def key(p: Tensor) -> tuple[int, int]:  # a bucket per param group, and per set kept apart
-            apart = next((i for i, ids in enumerate(self._apart) if id(p) in ids), -1)
-            return group_of.get(names[p], groups - 1), apart
+        def key(p: Tensor) -> tuple[int, ...]:  # a bucket per param group, and per the sets kept apart it is in
+            return group_of.get(names[p], groups - 1), *(id(p) in ids for ids in self._apart)
 
         for unit in self.units:
             params = params_of[unit.index]
