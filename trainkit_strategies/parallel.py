@@ -80,7 +80,11 @@ class ParallelStrategy(Wrapper, Parallelizes):
             ``trainkit.parallel.positions``. Parameters are sharded over ``dp_shard x cp`` (their gradients are
             sums over the sequence's chunks).
         cp_method: how keys and values reach the other ranks: "ring" (passed around, one block at a time,
-            overlapped with attention) or "all_gather" (gathered whole once per layer, as Llama 3 does).
+            overlapped with attention), "all_gather" (gathered whole once per layer, as Llama 3 does) or "ulysses"
+            (all-to-alls trade sequence slices for head slices and back; the heads must divide by cp).
+        ep: expert parallelism: the experts of every ``trainkit.moe.MoE`` layer divided among this many ranks,
+            drawn from the data-parallel ones (they read different batches), tokens sent to their experts by
+            all-to-all. Everything else is replicated across them (sharded by the other axes as without ep).
         sequence_parallel: under tp, shard the regions between tensor-parallel layers along the sequence too (the
             activations of norms, dropouts and residuals divided by tp; the same bytes communicated).
         microbatches, schedule, virtual_stages, split: the pipeline's, as for ``strategy="pipeline"``.

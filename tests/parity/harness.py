@@ -219,13 +219,14 @@ def _module_and_data(case: Case, world_size: int) -> tuple[Any, Any]:
         torch.manual_seed(0)
         module = CausalLM(config=HF_CONFIGS[case.model], warmup_steps=2, max_steps=10, adam_eps=1e-3)
         return module, TokenWindows(MarkovChain(16, 0.5, seed=3).sample(samples, 17, seed=4))
-    if case.model in ("gpt", "gpt6"):  # tied embeddings; loss weighted by tokens; gpt6: 8 pipeline layers
+    if case.model in ("gpt", "gpt6", "gpt_h4"):  # tied embeddings; loss by tokens; gpt6: 8 pipeline layers
         # Adam divides each gradient by its own magnitude (plus eps), so an element whose gradient is
         # ~1e-9 turns reduction-order noise of ~1e-8 into a different update. No biases (the key bias's
         # gradient is exactly zero: softmax ignores a shift shared by all keys) and eps=1e-3 keep those
         # elements' updates continuous in the gradient; every strategy is still held to 1e-5/1e-6.
         torch.manual_seed(0)
-        module = DemoGPT(vocab_size=16, block_size=16, n_layer=6 if case.model == "gpt6" else 2, n_head=2, n_embd=32,
+        module = DemoGPT(vocab_size=16, block_size=16, n_layer=6 if case.model == "gpt6" else 2,
+                         n_head=4 if case.model == "gpt_h4" else 2, n_embd=32,
                          warmup_steps=2, max_steps=10, bias=False, adam_eps=1e-3)
         return module, TokenWindows(MarkovChain(16, 0.5, seed=3).sample(samples, 17, seed=4))
     return (ValidatedRegression() if case.model == "validated" else Regression()), regression_data(samples)
@@ -243,7 +244,7 @@ def run_case(case: Case, world_size: int, per_rank_batch: int, accelerator: str)
 
         torch._dynamo.reset()  # every case compiles afresh (and never meets dynamo's limit of graphs per function)
         counters.clear()
-    tokens = case.model in ("gpt", "gpt6", "llama", "moe", "moe_capacity")
+    tokens = case.model in ("gpt", "gpt6", "gpt_h4", "llama", "moe", "moe_capacity")
     val_data = (TokenWindows(MarkovChain(16, 0.5, seed=3).sample(13, 17, seed=5)) if tokens
                 else regression_data(13, seed=5))
     val = DataLoader(val_data, batch_size=per_rank_batch) if case.validate else None

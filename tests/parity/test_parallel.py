@@ -2,7 +2,7 @@
 the demo GPT (tied embedding and head, fused q/k/v, learned positions) and examples/llama.py (RMSNorm, rotary,
 SwiGLU, grouped-query attention): tensor parallelism with and without sequence parallelism, with FSDP units inside
 it, HSDP, pipelines of tensor-parallel stages, up to 8 ranks, and context parallelism (ring and all-gather attention)
-alone, with FSDP units and with tensor parallelism."""
+alone, with FSDP units and with tensor parallelism; Ulysses attention at cp=2 and cp=4 (a GPT of 4 heads)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,9 @@ def _cases(world: int) -> list[Case]:
                        clip=0.05, checkpointing="selective"),  # the ring's output kept, never replayed
                   Case("cp2-full-checkpointing-llama", "parallel", {"cp": 2}, model="llama", accumulate=2,
                        clip=0.05, checkpointing="full")]  # the ring run again in backward
+    ulysses = {2: [("cp2", "gpt"), ("cp2", "llama")], 4: [("cp4", "gpt_h4"), ("cp4", "llama")], 8: []}[world]
+    cases += [Case(f"{name}-ulysses-{model}", "parallel", {"cp": world, "cp_method": "ulysses"}, model=model,
+                   accumulate=2, clip=0.05) for name, model in ulysses]  # heads for sequence, by all-to-all
     return cases
 
 

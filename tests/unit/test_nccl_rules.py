@@ -213,7 +213,8 @@ PARALLEL_LAYOUTS = [(2, {"tp": 2}), (2, {"tp": 2, "sequence_parallel": False}), 
                     (4, {"pp": 2, "tp": 2}), (8, {"pp": 2, "tp": 2, "dp_shard": 2}), (2, {"cp": 2}),
                     (4, {"cp": 2, "tp": 2}), (4, {"cp": 2, "dp_shard": 2, "cp_method": "all_gather"}),
                     (4, {"dp_replicate": 2, "dp_shard": 2, "data_parallel": "zero3"}),
-                    (2, {"data_parallel": "zero_offload", "engine_options": {"ratio": 0.5}})]
+                    (2, {"data_parallel": "zero_offload", "engine_options": {"ratio": 0.5}}),
+                    (2, {"cp": 2, "cp_method": "ulysses"}), (4, {"cp": 2, "dp_shard": 2, "cp_method": "ulysses"})]
 
 
 @pytest.mark.slow
@@ -371,3 +372,11 @@ def test_expert_layouts_keep_collectives_on_the_device(world_size, options):
         world.run(lambda r, w=world, p=precision, a=accumulate, c=clip, g=algorithm: train(
             w, r, "parallel", {"microbatches": 2, **options}, moe, p, a, c, g))
         assert world.p2p_order_problems() == []
+
+
+def test_ulysses_refuses_heads_the_group_cannot_share():
+    world = SimWorld(4)
+    with pytest.raises(ValueError, match=r"cp_method='ulysses' gives each of the cp=4 ranks heads/cp of the heads, "
+                                         r"but attention has 2: use a cp that divides 2, or cp_method='ring'"):
+        world.run(lambda r: train(world, r, "parallel", {"cp": 4, "cp_method": "ulysses"}, gpt, "32", 1, None,
+                                  "norm", steps=1))

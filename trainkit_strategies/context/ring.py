@@ -42,8 +42,9 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from trainkit_strategies.comm import Comm, Handle
+from trainkit_strategies.context.ulysses import ulysses_attention
 
-METHODS = ("ring", "all_gather")
+METHODS = ("ring", "all_gather", "ulysses")
 
 
 @dataclass
@@ -405,5 +406,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False, scale: f
         raise ValueError(f"Under context parallelism attention takes as many key/value heads as query heads "
                          f"({k.shape[1]} vs {q.shape[1]}): repeat them first (repeat_interleave on the head dim).")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if cp.method == "ulysses":  # heads for sequence and back, by all-to-all (context/ulysses.py)
+        return ulysses_attention(q, k, v, cp.comm, cp.members, is_causal, scale)
     _GROUPS[id(cp)] = cp
     return cp_attention(q, k, v, id(cp), is_causal, scale)[0]
