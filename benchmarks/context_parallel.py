@@ -9,6 +9,8 @@ forward under the causal mask) is about 5x its linear layers' (12sh^2).
 - cp=2 ring: ``strategy="parallel"`` with ``cp=2``: each rank holds chunks r and 3 - r of the sequence's 4, keys and
   values pass around the ring while the block in hand is used.
 - cp=2 all-gather: the same with ``cp_method="all_gather"`` (Llama 3's choice): keys and values gathered whole first.
+- cp=2 ulysses: ``cp_method="ulysses"`` (DeepSpeed-Ulysses): an all-to-all gives each rank the whole sequence for
+  half the heads, attention runs locally, a second all-to-all gives the tokens back.
 
 2 ranks on gloo, one thread each; the variants take turns in rounds, the order rotating; the median of each
 round's mean step is reported, with cp's time as a fraction of single's (target: at most 0.75) and the attention
@@ -35,7 +37,8 @@ from trainkit.demo.gpt import DemoGPT
 from trainkit_strategies import Environment, Precision, get_strategy
 from trainkit_strategies.comm import Comm
 
-VARIANTS = ("single", "cp=2 ring", "cp=2 all-gather")
+VARIANTS = ("single", "cp=2 ring", "cp=2 all-gather", "cp=2 ulysses")
+METHOD = {"cp=2 ring": "ring", "cp=2 all-gather": "all_gather", "cp=2 ulysses": "ulysses"}
 
 
 def build(name: str, env: Environment, args: argparse.Namespace):
@@ -46,7 +49,7 @@ def build(name: str, env: Environment, args: argparse.Namespace):
         strategy = get_strategy("single")
         strategy.setup_environment(Environment(device=env.device, rank=0, local_rank=0, world_size=1))
     else:
-        strategy = get_strategy("parallel", cp=2, cp_method="ring" if "ring" in name else "all_gather")
+        strategy = get_strategy("parallel", cp=2, cp_method=METHOD[name])
         strategy.setup_environment(env)
     strategy.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4), Precision.from_name("32"))
     return model, strategy
@@ -81,7 +84,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
         dist.barrier()
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for r in range(args.rounds):
-        for name in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
+        for name in VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]:
             dist.barrier()
             start = time.perf_counter()
             if name in runs:

@@ -375,9 +375,8 @@ class Comm:
             _copy_alone(output, input)
             return DONE
         self._count("all_to_all", input, output)
-        if self.ring:
-            sends = input.split(input_splits) if input_splits is not None else input.view(self.world_size, -1)
-            recvs = output.split(output_splits) if output_splits is not None else output.view(self.world_size, -1)
+        if self.ring and input_splits is None:  # (uneven: gloo's own, measured as fast as the rounds or faster)
+            sends, recvs = input.view(self.world_size, -1), output.view(self.world_size, -1)
             return self._drive(self._pairwise_all_to_all(list(recvs), list(sends)), async_op)
         return self._run(dist.all_to_all_single, output, input, output_splits, input_splits, async_op=async_op)
 

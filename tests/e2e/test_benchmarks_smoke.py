@@ -104,6 +104,18 @@ def test_context_parallel_smoke():
     assert first == second  # causal load balancing: both ranks compute as many chunk pairs
 
 
+def test_experts_smoke():
+    """Expert parallelism beside torch's all_to_all_single and expert loops: the same model from the same seed gives
+    the same first loss."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "experts.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "x reference (target <= 1.0)" in proc.stdout
+    loss = next(line for line in proc.stdout.splitlines() if line.startswith("first-step loss"))
+    trainkit, reference = (float(part.split()[-1]) for part in loss.split(":", 1)[1].split(","))
+    assert abs(trainkit - reference) < 1e-5, loss
+
+
 def test_link_smoke():
     """The link benchmark's workers and report over loopback (the shaped link needs root; the smoke needs none)."""
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "link.py"), "--smoke"],

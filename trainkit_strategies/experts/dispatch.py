@@ -126,11 +126,7 @@ def _expert_parallel(rows: Tensor, counts: Tensor, per_expert: list[int], num_ex
     from_each = [table[s * num_experts + mine:s * num_experts + mine + local] for s in range(size)]
     received = [sum(c) for c in from_each]
     arrived = _AllToAll.apply(rows, ep, received, sent)  # by source rank, then by expert
-    expert_of = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(size),
-                                        torch.tensor([c for cs in from_each for c in cs], device=rows.device),
-                                        output_size=sum(received))
-    order = torch.argsort(expert_of, stable=True)
-    back = torch.empty_like(order)
-    back[order] = torch.arange(order.numel(), device=order.device)
-    computed = experts_forward(arrived[order], [sum(c[e] for c in from_each) for e in range(local)], w1, w3, w2)
-    return _AllToAll.apply(computed[back], ep, sent, received)
+    # each source's rows through the experts as they came (sorted by expert within it): no permutation to undo
+    computed = [experts_forward(part, counts_of, w1, w3, w2)
+                for part, counts_of in zip(arrived.split(received), from_each, strict=True)]
+    return _AllToAll.apply(torch.cat(computed), ep, sent, received)
