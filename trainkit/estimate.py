@@ -44,6 +44,7 @@ from trainkit_strategies import (
     get_strategy,
 )
 from trainkit_strategies.context.huggingface import without_masks
+from trainkit_strategies.experts.parallel import moe_layers
 from trainkit_strategies.memory import LiveBytes
 from trainkit_strategies.plan_comm import PlanComm
 from trainkit_strategies.sharding.units import repeated_layers
@@ -359,22 +360,26 @@ def mesh_layouts(module: nn.Module, world_size: int, devices_per_node: int | Non
     """The layouts worth planning for ``module`` on ``world_size`` ranks: tensor parallelism of 2, 4 or 8 within a
     node (when the module has a plan: its ``tensor_parallel_plan()``, a Hugging Face model's own) times 1, 2 or 4
     pipeline stages (when it has ``pipeline_layers()`` with as many layers), the data-parallel shards taking the
-    rest (without tensor parallelism the layout is ``fsdp`` or ``pipeline``, already rows)."""
+    rest (without tensor parallelism the layout is ``fsdp`` or ``pipeline``, already rows); and with MoE layers,
+    their experts divided over 2, 4 or 8 of the data-parallel ranks (``ep``)."""
+    experts = {m.num_experts for m in moe_layers(module)}
+    expert_parallel = [{"ep": ep} for ep in (2, 4, 8) if experts and world_size % ep == 0
+                       and all(n % ep == 0 for n in experts)]  # the experts divided among data-parallel ranks
     if plan_for(module) is None:
-        return []
+        return expert_parallel
     node = devices_per_node or world_size
     layers = len(module.pipeline_layers()) if callable(getattr(module, "pipeline_layers", None)) else 1
     return [{"tp": tp, "pp": pp} for pp in (1, 2, 4) if pp <= layers for tp in (2, 4, 8)
-            if node % tp == 0 and world_size % (tp * pp) == 0]
+            if node % tp == 0 and world_size % (tp * pp) == 0] + expert_parallel
 
 
 def layout_label(degrees: Mapping[str, int], world_size: int) -> str:
     """``{"tp": 2, "pp": 2}`` at 8 ranks -> "pp2 tp2 dp2" (dp: the sharded data-parallel rest)."""
     tp, pp, replicate = degrees.get("tp", 1), degrees.get("pp", 1), degrees.get("dp_replicate", 1)
-    cp = degrees.get("cp", 1)
-    shard = degrees.get("dp_shard") or world_size // max(1, tp * pp * replicate * cp)
+    cp, ep = degrees.get("cp", 1), degrees.get("ep", 1)
+    shard = degrees.get("dp_shard") or world_size // max(1, tp * pp * replicate * cp * ep)
     parts = [f"pp{pp}" if pp > 1 else "", f"tp{tp}" if tp > 1 else "", f"cp{cp}" if cp > 1 else "",
-             f"rep{replicate}" if replicate > 1 else "", f"dp{shard}" if shard > 1 else ""]
+             f"ep{ep}" if ep > 1 else "", f"rep{replicate}" if replicate > 1 else "", f"dp{shard}" if shard > 1 else ""]
     return " ".join(p for p in parts if p) or "parallel"
 
 

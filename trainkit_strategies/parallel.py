@@ -411,7 +411,9 @@ class ParallelStrategy(Wrapper, Parallelizes):
     def describe(self) -> str:
         if self.pipeline is not None:
             return f"{self.layout}, layers {self.pipeline.stage_sizes}"
-        return str(self.layout) + ("" if self.sequence_parallel or self.tp == 1 else ", no sequence parallelism")
+        experts = "" if self.experts is None else f", expert weights {self.experts.held() / 1e6:.2f} MB per rank"
+        return str(self.layout) + ("" if self.sequence_parallel or self.tp == 1 else ", no sequence parallelism") + \
+            experts
 
     def activation_model(self, model: nn.Module, device: torch.device) -> nn.Module:
         return split_for_trace(model, self.tp, self.sequence_parallel, device)

@@ -497,3 +497,35 @@ def test_a_hugging_face_model_is_planned_as_it_runs():
         print(row.strategy, row.device, moved)
     too_many = estimate(_llama("meta"), batch, world_size=4, strategies=[], layouts=[{"tp": 4}])
     assert "2 key/value heads" in too_many.row("tp4").note and not too_many.row("tp4").applies
+
+
+def test_an_expert_parallel_layout_is_planned_with_its_all_to_all_bytes():
+    """examples/moe.py's Mixtral at 2 ranks: an ``ep2`` row (offered for a model with MoE layers) whose model state is
+    what a real step holds, whose all-to-all bytes are the formula's at balanced routing (tokens x hidden x top-k x
+    4 B x 2 directions x forward and backward x layers), and which names the expert weights a rank holds."""
+    from tests.simworld import CPU, SimWorld
+    from tests.unit.test_expert_parallel import DIM, LAYERS, TOP_K, _model
+
+    with torch.device("meta"):
+        module = _model()
+    x = torch.randint(0, 16, (4, 8))
+    planned = estimate(module, (x, x), world_size=2, strategies=["ddp"])
+    row = planned.row("ep2")
+    assert row.options == {"ep": 2} and row.applies
+    assert row.comm_by_kind["all_to_all"] == 4 * 8 * DIM * TOP_K * 4 * 2 * 2 * LAYERS
+    experts = sum(m.w1.numel() * 3 for m in _model().modules() if hasattr(m, "w1") and m.w1.dim() == 3) // 2 * 4
+    assert f"expert weights {experts / 1e6:.2f} MB per rank" in row.note
+    world = SimWorld(2, device=CPU)
+
+    def rank(r: int) -> int:
+        model = _model()
+        strategy = get_strategy("parallel", ep=2)
+        strategy.setup_environment(Environment(rank=r, world_size=2), comm=world.comm(r))
+        strategy.setup(model, model.configure_optimizers()["optimizer"], Precision.from_name("32"))
+        with strategy.forward_context():
+            strategy.backward(model.training_step((x, x), 0)["loss"])
+        strategy.reduce_gradients(1.0)
+        strategy.optimizer_step()
+        return strategy.memory_report().device_total
+
+    assert world.run(rank)[row.rank] == row.device

@@ -6,7 +6,8 @@ the host, as in Megatron-Core's and torchtitan's dropless dispatch). With ``ep``
 experts, a rank sends each of them the rows for its experts (``Comm.all_to_all`` with uneven splits, the counts
 known to both ends by an all-gather of every rank's counts first), computes its experts on what it received, and
 sends the results back the same way; backward runs the two all-to-alls the other way. On the meta device and in fake
-tensors (``trainkit estimate``) the counts are unknown: routing is planned as balanced.
+tensors (``trainkit estimate``) the counts are unknown: routing is planned as balanced, and the experts loop (the
+shapes and bytes are the same; grouped_mm's fake kernel takes CUDA's dtypes only).
 
 The experts are SwiGLU MLPs held as stacked weights ``w1``, ``w3`` [experts, dim, hidden] and ``w2`` [experts,
 hidden, dim]: ``w2(silu(x w1) * x w3)``. They run as ``F.grouped_mm`` where torch has it for the device and dtype
@@ -80,7 +81,7 @@ def _gmm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
 def experts_forward(x: Tensor, counts: list[int], w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
     """SwiGLU of each expert on its rows of ``x`` (sorted by expert, ``counts[e]`` rows for expert e)."""
     key = (x.device.type, x.dtype)
-    if hasattr(F, "grouped_mm") and key not in _grouped_fails and x.shape[0] > 0:
+    if hasattr(F, "grouped_mm") and key not in _grouped_fails and x.shape[0] > 0 and not unknown(x):
         offsets = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=x.device)
         try:
             return _gmm(F.silu(_gmm(x, w1, offsets)) * _gmm(x, w3, offsets), w2, offsets)

@@ -33,6 +33,7 @@ class ExpertParallel:
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
         self.splits: dict[Tensor, Split] = {}  # each expert weight -> how it was divided
+        self._bytes = 0
 
     @property
     def size(self) -> int:
@@ -57,6 +58,7 @@ class ExpertParallel:
                 split = Split(0, self.size)
                 param.data = split.local(param.data, self.rank)
                 self.splits[param] = split
+                self._bytes += param.numel() * param.element_size()
             layer.expert_parallel = self.size
 
     def replicated(self, params: Collection[Tensor]) -> list[Tensor]:
@@ -75,3 +77,8 @@ class ExpertParallel:
             for g in group:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
+
+    def held(self) -> int:
+        """Bytes of the experts' weights this rank computes with (its E/ep of every layer's, as divided; their
+        gradients and optimizer state follow them, sharded further where dp_shard > 1)."""
+        return self._bytes
