@@ -86,3 +86,31 @@ def test_each_rank_holds_one_ep_th_of_the_experts_and_moves_the_formulas_bytes(e
     tokens = 4 * 8 * ep  # the global batch's
     formula = tokens * DIM * TOP_K * 4 * 2 * 2 * LAYERS  # x hidden x top-k x fp32, 2 directions, fwd + bwd
     assert sum(moved for _, moved in results) == formula  # per rank on average (its share of what it received)
+
+
+def test_capacity_routing_under_expert_parallelism_drops_what_one_process_drops():
+    """Capacity is counted on each rank's tokens before they travel (GShard's local groups): at ep=2 a rank's output
+    and its dropped assignments are those of one process running all the experts on that rank's tokens at the same
+    capacity, drops and all."""
+    torch.manual_seed(0)
+    whole = MoE(DIM, 24, 4, top_k=TOP_K, capacity_factor=0.5)
+    torch.nn.init.normal_(whole.router.weight, std=1.0)  # confident routers: some experts overflow
+    world = SimWorld(2, device=CPU)
+    inputs = [torch.randn(3, 8, DIM, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+
+    def rank(r: int) -> tuple[torch.Tensor, float, torch.Tensor]:
+        import copy
+
+        layer = copy.deepcopy(whole)
+        strategy = get_strategy("parallel", ep=2)
+        strategy.setup_environment(Environment(rank=r, world_size=2), comm=world.comm(r))
+        strategy.parallelize(layer)
+        with strategy.forward_context():
+            out = layer(inputs[r])
+        return out.detach(), float(layer.dropped), layer.tokens_per_expert
+
+    for r, (out, dropped, taken) in enumerate(world.run(rank)):
+        want = whole(inputs[r])
+        assert float(whole.dropped) > 0  # this capacity drops some
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+        assert dropped == float(whole.dropped) and torch.equal(taken, whole.tokens_per_expert)
