@@ -5,6 +5,8 @@ reference workload of ``strategies.py`` (an MLP of 4 blocks [512 -> 2048 -> 512]
 rank, AdamW, gloo, 1 thread per rank) with the ranks on two "nodes" joined by a link shaped to a given rate:
 
 - ``2x1``: one rank per node, every strategy and its torch-native reference (DDP, FSDP2; DeepSpeed when installed).
+- ``cp``: one rank per node, context parallelism of the demo GPT on one long sequence (cp=2 with ring, all-gather and
+  Ulysses attention) against one rank's step on the whole sequence.
 - ``2x2``: two ranks per node (the node's own traffic on loopback, the link between nodes) for the layouts that
   care where their traffic goes: ddp and fsdp over all 4 ranks against HSDP (shard inside a node, replicate across)
   and a pipeline whose two stages sit on the two nodes (data parallel inside each).
@@ -39,6 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -150,6 +153,46 @@ def variants_2x2(env: Environment, shape: tuple[int, int, int], x: torch.Tensor,
     }
 
 
+def cp_workload(smoke: bool) -> tuple[int, int]:
+    """(sequence length, width) of the context-parallel layout's demo GPT."""
+    return (256, 32) if smoke else (4096, 128)
+
+
+def variants_cp(env: Environment, smoke: bool) -> tuple[dict[str, Variant], Any]:
+    """Context parallelism across the link: the demo GPT (2 blocks, 4 heads) on one sequence, cp=2 with each
+    attention method; and one rank's step on the whole sequence alone."""
+    from trainkit.demo.gpt import DemoGPT
+
+    seq, width = cp_workload(smoke)
+    tokens = torch.randint(0, 256, (1, seq + 1), generator=torch.Generator().manual_seed(1))
+    batch = (tokens[:, :-1], tokens[:, 1:])
+
+    def build(strategy: Any) -> Any:
+        torch.manual_seed(0)
+        model = DemoGPT(vocab_size=256, block_size=seq, n_layer=2, n_head=4, n_embd=width)
+        strategy.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4), Precision.from_name("32"))
+        local = strategy.local_batch(batch)
+
+        def step() -> None:
+            with strategy.forward_context():
+                loss = model.training_step(local, 0)["loss"]
+            strategy.backward(loss)
+            strategy.reduce_gradients(1.0 / strategy.item_ranks)
+            strategy.optimizer_step()
+            strategy.zero_grad()
+
+        return step
+
+    variants = {}
+    for method in ("ring", "all_gather", "ulysses"):
+        strategy = get_strategy("parallel", cp=2, cp_method=method)
+        strategy.setup_environment(env)
+        variants[f"trainkit cp2 {method}"] = Variant(build(strategy))
+    single = get_strategy("single")
+    single.setup_environment(Environment(rank=0, world_size=1))
+    return variants, build(single) if env.rank == 0 else None
+
+
 # -- the worker: one rank ------------------------------------------------------------------------------------------
 def link_bytes(interface: str | None) -> int | None:
     """Bytes this node's interface has sent (``/proc/net/dev`` is per network namespace)."""
@@ -171,12 +214,15 @@ def worker(args: argparse.Namespace) -> None:
     shape = (64, 128, 2) if args.smoke else (512, 2048, 4)
     batch = 8 if args.smoke else 32
     x = torch.randn(batch, shape[0], generator=torch.Generator().manual_seed(rank))
-    build = variants_2x2 if args.layout == "2x2" else variants_2x1
-    variants = build(env, shape, x, 2 if args.smoke else 4)
+    if args.layout == "cp":
+        variants, local = variants_cp(env, args.smoke)
+    else:
+        build = variants_2x2 if args.layout == "2x2" else variants_2x1
+        variants = build(env, shape, x, 2 if args.smoke else 4)
+        local = local_variant(shape, x) if rank == 0 else None
     if args.only:
         wanted = [w.strip() for w in args.only.split(",")]
         variants = {n: v for n, v in variants.items() if any(w in n for w in wanted)}
-    local = local_variant(shape, x) if rank == 0 else None
     for v in variants.values():  # warm-up (compression past its first steps)
         for _ in range(3):
             v.step()
@@ -229,9 +275,12 @@ def report(result: dict) -> str:
     times = ranks[0]["times"]
     alone = times[ALONE]
     link = {n: max(r["sent"].get(n, 0) for r in ranks) for n in ranks[0]["sent"]}
-    model = "2 x [64 -> 128 -> 64], batch 8" if result["smoke"] else "4 x [512 -> 2048 -> 512], batch 32"
+    model = "MLP 2 x [64 -> 128 -> 64], batch 8" if result["smoke"] else "MLP 4 x [512 -> 2048 -> 512], batch 32"
+    if result["layout"] == "cp":
+        seq, width = cp_workload(result["smoke"])
+        model = f"demo GPT 2 blocks x width {width}, 4 heads, one sequence of {seq} tokens (cp=2: half each)"
     where = f"link {rate:g} Gb/s" if rate else "loopback (no shaped link)"
-    lines = [f"{result['layout']} ({result['world']} ranks), {where}, gloo, 1 thread per rank, MLP {model} per rank, "
+    lines = [f"{result['layout']} ({result['world']} ranks), {where}, gloo, 1 thread per rank, {model} per rank, "
              f"AdamW; median of {result['rounds']} rounds x {result['steps']} steps",
              f"{'variant':<56}{'step':>10}{'x ref':>8}{'link MB':>9}{'bound':>10}{'+ alone':>10}{'effic.':>8}"]
     refs = {"trainkit ddp": "torch DDP", "trainkit zero1": "trainkit ddp", "trainkit zero2": "trainkit ddp",
@@ -239,7 +288,8 @@ def report(result: dict) -> str:
             "trainkit zero3": "torch FSDP2 (per block)", "trainkit ddp powersgd r1": "trainkit ddp",
             "trainkit ddp powersgd r4": "trainkit ddp", "trainkit ddp + 1-bit Adam": "trainkit ddp",
             "trainkit fsdp (4 ranks)": "torch FSDP2 (4 ranks)",
-            "trainkit HSDP (shard in node, replicate across)": "trainkit fsdp (4 ranks)"}
+            "trainkit HSDP (shard in node, replicate across)": "trainkit fsdp (4 ranks)",
+            "trainkit cp2 all_gather": "trainkit cp2 ring", "trainkit cp2 ulysses": "trainkit cp2 ring"}
     rounds = ranks[0].get("rounds", {})
     for name, t in times.items():
         if name == ALONE:
@@ -252,11 +302,12 @@ def report(result: dict) -> str:
         serial = "-" if link_s is None else f"{(link_s + alone) * 1e3:.1f}"
         lines.append(f"{name:<56}{t * 1e3:>7.1f} ms{ratio:>8}{_mb(sent):>9}{bound:>7} ms{serial:>7} ms"
                      f"{alone / t:>8.3f}")
-    lines.append(f"{ALONE:<56}{alone * 1e3:>7.1f} ms")
+    alone_label = "1 rank, the whole sequence" if result["layout"] == "cp" else ALONE
+    lines.append(f"{alone_label:<56}{alone * 1e3:>7.1f} ms")
     lines.append("x ref: against torch DDP (ddp), trainkit ddp (zero1/2, offload, compression), torch FSDP2 (fsdp, "
-                 "zero3), fsdp over 4 (HSDP), the median over rounds of the two's ratio in a round. link MB: sent "
-                 "per step by the busier node (interface counters). bound: link MB at the rate; + alone: that plus "
-                 "one rank's step alone (no overlap at all). effic.: 1 rank alone / the variant.")
+                 "zero3), fsdp over 4 (HSDP), the ring (cp2), the median over rounds of the two's ratio in a round. "
+                 "link MB: sent per step by the busier node (interface counters). bound: link MB at the rate; "
+                 "+ alone: that plus one rank's step alone (no overlap at all). effic.: 1 rank alone / the variant.")
     return "\n".join(lines)
 
 
@@ -334,7 +385,8 @@ def can_shape(netsim: Path) -> str | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", default="1gbit,10gbit", help="tc rates of the link, comma-separated")
-    parser.add_argument("--layouts", default="2x1,2x2", help="nodes x ranks per node: 2x1, 2x2")
+    parser.add_argument("--layouts", default="2x1,2x2", help="nodes x ranks per node: 2x1, 2x2; cp: the demo "
+                        "GPT at cp=2 (ring, all-gather, Ulysses), a rank per node")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=4, help="steps per variant per round")
     parser.add_argument("--smoke", action="store_true", help="tiny model over loopback, no link (CI)")

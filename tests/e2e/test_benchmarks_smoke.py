@@ -134,3 +134,12 @@ def test_compile_smoke():
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = proc.stdout.splitlines()[-2].split()
     assert row[-2:] == ["1,", "1"], proc.stdout  # one graph, at both lengths
+
+
+def test_link_smoke_context_parallel():
+    """The link benchmark's context-parallel layout: the three attention methods beside one rank on the sequence."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "link.py"), "--smoke", "--layouts", "cp"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for row in ("trainkit cp2 ring", "trainkit cp2 all_gather", "trainkit cp2 ulysses", "1 rank, the whole sequence"):
+        assert row in proc.stdout, row

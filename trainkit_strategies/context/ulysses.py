@@ -9,9 +9,12 @@ the same exchanges the other way. The all-to-alls run on the communicator ring a
 engine's, over ``dp_shard x cp``), each rank sending nothing to the ranks outside its cp group, so no two
 communicators have kernels in flight that could wait on each other (NCCL's rule).
 
-Per layer a rank sends ``(cp - 1)/cp`` of its queries, keys, values and output, where the ring sends its keys and
-values ``cp - 1`` times: less traffic from cp = 3 on, and all of it in collectives rather than hops. The limit: the
-heads (after grouped key/value heads are repeated to the query heads) must divide by ``cp``.
+Bytes a rank sends per attention, in units of its own queries (``cp - 1`` of ``cp`` parts of each tensor leave it):
+Ulysses sends ``(cp - 1)/cp`` of q, k, v and the output forward and of their gradients backward, ``8 (cp - 1)/cp``;
+the ring sends k and v ``cp - 1`` times forward, and backward k and v again with their (fp32) gradients, which come
+home after ``cp`` hops: ``2(cp - 1) + 2(cp - 1) + 2cp``. At cp = 2 Ulysses sends half the ring's, and the gap grows
+with cp; all of it in collectives rather than hops. The limit: the heads (after grouped key/value heads are repeated
+to the query heads) must divide by ``cp``.
 """
 
 from __future__ import annotations
