@@ -8,7 +8,8 @@ all-gather of Ψ, which ``CommStats.volume`` reports (all_reduce weighted 2, the
 With ``world_size == 1`` the same calls run with communication skipped (all_gather copies, others
 return at once) and count nothing, so strategies need no single-process branch.
 
-On gloo, ``reduce_scatter`` and ``all_gather`` run as rings of point-to-point exchanges written here:
+On gloo, ``reduce_scatter`` and ``all_gather`` (above 4 KB: a smaller one pays one call's latency, not a ring's
+W-1 rounds) run as rings of point-to-point exchanges written here:
 gloo's own ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` each take about twice as long as
 a whole all-reduce of the same buffer (measured: 58 and 55 ms against 27 ms for 8.4M fp32 elements
 on 2 ranks), which would make every sharded strategy pay four all-reduces' worth of time for what
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 
 MESSAGE_BYTES = 1 << 20  # the most one point-to-point message of a ring round carries (see above)
 _TAG_PIECES = 256  # tags per ring collective: a round's messages each get their own
+_SMALL = 4096  # bytes: an all-gather this small runs as gloo's own (one call's latency; the rings pay off for large)
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.AVG}
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -317,7 +319,7 @@ class Comm:
             _copy_alone(output, input)
             return DONE
         self._count("all_gather", output, input)
-        if self.ring:
+        if self.ring and output.numel() * output.element_size() > _SMALL:
             return self._drive(self._ring_all_gather(output, input), async_op)
         return self._run(_all_gather, output, input, async_op=async_op)
 

@@ -106,21 +106,24 @@ def dispatch(tokens: Tensor, experts: Tensor, weights: Tensor, keep: Tensor | No
     order = torch.argsort(flat, stable=True)
     token, weight = token[order], weight[order]
     counts = count_experts(flat, num_experts)
+    parallel = ep is not None and ep.active
+    if parallel:  # every rank's counts for every expert (both ends of each transfer know its size), in flight
+        everyone = counts.new_empty(ep.world_size * num_experts)  # while the rows are gathered
+        gathering = ep.all_gather(everyone, counts, async_op=True)
     per_expert = _balanced(int(flat.numel()), num_experts) if unknown(counts) else [int(c) for c in counts.tolist()]
     rows = tokens[token]
-    if ep is None or not ep.active:
+    if not parallel:
         out = experts_forward(rows, per_expert, w1, w3, w2)
     else:
-        out = _expert_parallel(rows, counts, per_expert, num_experts, w1, w3, w2, ep)
+        gathering.wait()
+        out = _expert_parallel(rows, everyone, per_expert, num_experts, w1, w3, w2, ep)
     combined = torch.zeros_like(tokens).index_add(0, token, out * weight.unsqueeze(-1).to(out.dtype))
     return combined, counts
 
 
-def _expert_parallel(rows: Tensor, counts: Tensor, per_expert: list[int], num_experts: int, w1: Tensor, w3: Tensor,
-                     w2: Tensor, ep: Comm) -> Tensor:
+def _expert_parallel(rows: Tensor, everyone: Tensor, per_expert: list[int], num_experts: int, w1: Tensor,
+                     w3: Tensor, w2: Tensor, ep: Comm) -> Tensor:
     size, local = ep.world_size, w1.shape[0]
-    everyone = counts.new_empty(size * num_experts)
-    ep.all_gather(everyone, counts)  # every rank's counts for every expert: both ends of each transfer know its size
     table = per_expert * size if unknown(everyone) else [int(c) for c in everyone.tolist()]
     mine = ep.rank * local
     sent = [sum(per_expert[j * local:(j + 1) * local]) for j in range(size)]
