@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from trainkit.activation import resolve_mode
+from trainkit.errors import ConfigurationError
 from trainkit.estimate import (
     AUTO_ORDER,
     choose,
@@ -37,7 +38,7 @@ def choose_strategy(module: nn.Module, loader: Any, planner: Strategy, env: Envi
                              checkpointing, every, env.device.type, env.local_world_size or None)
     name, options, message = planner.broadcast_object(decision)
     if name is None:
-        raise ValueError(message)
+        raise ConfigurationError(message)
     if env.rank == 0:
         print(message, flush=True)
     chosen = get_strategy(name, **options)

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal, NoReturn
 
 import torch
@@ -25,6 +27,7 @@ from trainkit import launcher
 from trainkit.checkpoint import CheckpointError
 from trainkit.data import DataModule
 from trainkit.demo.gpt import DemoGPT
+from trainkit.errors import ConfigurationError
 from trainkit.estimate import NoBatch, estimate, one_batch
 from trainkit.export import export
 from trainkit.module import TrainModule
@@ -62,14 +65,15 @@ class Parser(ArgumentParser):
         parser = getattr(ex, "subcommand_parser", None) or self
         prog = parser.prog.replace(" [options]", "")
         if not (os.environ.get("TRAINKIT_LAUNCHED") and os.environ.get("RANK", "0") != "0"):
-            sys.stderr.write(f"trainkit: error: {_essential(message)}\nRun `{prog} --help` for the accepted "
-                             "options.\n")
+            sys.stderr.write(f"{prog.split()[0]}: error: {_essential(message)}\nRun `{prog} --help` for the "
+                             "accepted options.\n")
         self.exit(2)
 
 
 def _essential(message: str) -> str:
     """What of jsonargparse's message the user needs: for a value no alternative of a union accepts (a strategy's
     option out of range, say), the reason the intended class gave, not the list of every alternative's."""
+    message = re.sub(r"\b(?:fit|validate|test|predict|estimate|export)\.([\w.]+)", r"--\1", message)  # as typed
     if "Does not validate against any of the Union subtypes" not in message:
         return message
     key = message.split(":", 1)[0] + ": " if message.startswith("Parser key") else ""
@@ -109,8 +113,9 @@ def _subcommand_parser(name: str, model_class: type[TrainModule] | None,
 
 
 def build_parser(model_class: type[TrainModule] | None = None,
-                 datamodule_class: type[DataModule] | None = None) -> ArgumentParser:
-    parser = Parser(prog="trainkit", description="Train PyTorch models with trainkit.")
+                 datamodule_class: type[DataModule] | None = None, prog: str = "trainkit") -> ArgumentParser:
+    """The command line; ``prog``: what it is called (a script built on ``main`` names itself)."""
+    parser = Parser(prog=prog, description="Train PyTorch models with trainkit.")
     subcommands = parser.add_subcommands(required=True, dest="subcommand")
     for name in SUBCOMMANDS:
         subcommands.add_subcommand(name, _subcommand_parser(name, model_class, datamodule_class),
@@ -226,6 +231,8 @@ def _instantiate(parser: ArgumentParser, cfg: Namespace, subcommand: str) -> tup
         schedule_default = inspect.signature(DemoGPT).parameters["max_steps"].default
         if model.hparams.max_steps == schedule_default and trainer_args["max_steps"] > 0:
             model.hparams.max_steps = trainer_args["max_steps"]  # the LR schedule spans the run unless set
+            if isinstance(model_cfg.get("init_args"), Namespace):  # and config.yaml records the schedule it used
+                model_cfg.init_args.max_steps = trainer_args["max_steps"]
     trainer = Trainer(**trainer_args)
     return trainer, model, data
 
@@ -233,8 +240,13 @@ def _instantiate(parser: ArgumentParser, cfg: Namespace, subcommand: str) -> tup
 def main(model_class: type[TrainModule] | None = None, datamodule_class: type[DataModule] | None = None,
          args: Sequence[str] | None = None) -> None:
     """Parse ``args`` (default: the command line) and run the chosen subcommand."""
-    parser = build_parser(model_class, datamodule_class)
-    argv = normalize_argv(sys.argv[1:] if args is None else args)
+    script = model_class is not None and args is None and sys.argv and sys.argv[0].endswith(".py")
+    parser = build_parser(model_class, datamodule_class, Path(sys.argv[0]).name if script else "trainkit")
+    given = list(sys.argv[1:] if args is None else args)
+    if given and given[0].startswith("-") and not {"-h", "--help", *SUBCOMMANDS, *TOOLS} & set(given):
+        parser.error(f"name what to do first: one of {', '.join([*SUBCOMMANDS, *TOOLS])} (`{parser.prog} fit "
+                     f"{' '.join(given)}`, say).")
+    argv = normalize_argv(given)
     cfg = parser.parse_args(argv)
     subcommand = cfg.subcommand
     sub_parser = parser._subcommands_action._name_parser_map[subcommand]
@@ -252,6 +264,12 @@ def main(model_class: type[TrainModule] | None = None, datamodule_class: type[Da
     run = getattr(trainer, subcommand)
     try:
         run(model, datamodule=data, ckpt_path=cfg[subcommand].ckpt_path)
+    except ConfigurationError as err:  # raised alike on every rank: said once
+        if trainer.is_global_zero:
+            print(f"{parser.prog}: error: {err}\nRun `{parser.prog} {subcommand} --help` for the accepted options.",
+                  file=sys.stderr, flush=True)
+        launcher.wait_children()
+        sys.exit(2)
     except (PeerError, CheckpointError) as err:
         print(f"trainkit: error (rank {trainer.global_rank}): {err}", file=sys.stderr)
         sys.exit(1)

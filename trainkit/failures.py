@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainkit import launcher, resume
+from trainkit.errors import ConfigurationError
 from trainkit.signals import Preempted
 from trainkit_strategies.comm import Comm, PeerError, peer_failure
 
@@ -16,6 +17,8 @@ def leave_the_ranks(exc: BaseException, comm: Comm, world_size: int, checkpoint_
     in ``exc``'s place, if any: a ``PeerError`` naming the dead peer whose silence made this rank's wait fail, with
     the way to resume."""
     error = exc
+    if isinstance(exc, ConfigurationError):  # every rank raises it alike: nobody to warn, nothing to abort
+        return None
     if world_size > 1:
         failure = peer_failure()
         if not isinstance(exc, Preempted | PeerError) and failure is None:

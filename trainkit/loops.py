@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 
 from trainkit.data import DataConnector, ResumableSampler, num_batches
 from trainkit.dispatch import HookDispatch
+from trainkit.errors import MissingStep
 from trainkit.module import TrainModule
 from trainkit.results import Results
 from trainkit.seed import set_rng_state
@@ -131,6 +132,10 @@ class EvalLoop:
             sanity: bool = False) -> dict[str, float]:
         """Evaluate ``module`` for ``fn`` ("validate" or "test") over ``loaders``; returns the epoch metrics."""
         prefix = "validation" if fn == "validate" else "test"
+        step = "validation_step" if fn == "validate" else "test_step"
+        if self._schedule is None and getattr(type(module), step) is getattr(TrainModule, step):
+            raise MissingStep(f"Trainer.{fn} runs {type(module).__name__}.{step}(batch, batch_idx), which it does not "
+                              f"define: add one (log what it measures with self.log), as Lightning requires.")
         self.strategy.settle()  # evaluate the parameters of every step taken
         was_training = module.training
         module.eval()
@@ -177,6 +182,9 @@ class EvalLoop:
         return metrics
 
     def predict(self, module: nn.Module, loaders: Sequence[DataLoader], limit: int | float | None) -> list[Any]:
+        if type(module).predict_step is TrainModule.predict_step and type(module).forward is nn.Module.forward:
+            raise MissingStep(f"Trainer.predict runs {type(module).__name__}.predict_step(batch, batch_idx), which "
+                              "it does not define, nor forward() that the default one calls: add either.")
         if self._schedule is not None:
             raise ValueError(f"predict is not supported under strategy {self.strategy.name!r}; load the "
                              "checkpoint with strategy 'single' or 'ddp' to predict.")

@@ -1,0 +1,107 @@
+"""What a new user meets in the first hour (issue 33): a loop the module has no step for is an error naming it; a
+script built on ``trainkit.cli.main`` names itself and the subcommand it needs; config.yaml records the schedule a
+run used; a plan that fits nothing is one ``error:`` block from rank 0 at any world size."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from torch.utils.data import DataLoader, TensorDataset
+
+import trainkit as tk
+from tests.e2e.cli_runs import ROOT
+from trainkit.cli import main
+from trainkit.errors import MissingStep
+
+
+class Regressor(tk.TrainModule):  # quickstart's, with no test_step nor validation_step
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class NoForward(Regressor):
+    forward = torch.nn.Module.forward
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+
+def _loader() -> DataLoader:
+    return DataLoader(TensorDataset(torch.randn(16, 8), torch.randn(16, 1)), batch_size=4)
+
+
+@pytest.mark.parametrize(("loop", "step"), [("test", "test_step"), ("validate", "validation_step")])
+def test_a_loop_without_its_step_is_an_error_naming_it(tmp_path, loop, step):
+    trainer = tk.Trainer(logger=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    with pytest.raises(MissingStep, match=rf"Trainer.{loop} runs Regressor.{step}\(batch, batch_idx\), which it does "
+                                          "not define: add one"):
+        getattr(trainer, loop)(Regressor(), _loader())
+
+
+def test_predict_without_predict_step_or_forward_names_them(tmp_path):
+    trainer = tk.Trainer(logger=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    inputs = DataLoader(torch.randn(16, 8), batch_size=4)
+    assert len(trainer.predict(Regressor(), inputs)) == 4  # the default predict_step calls forward
+    with pytest.raises(MissingStep, match=r"Trainer.predict runs NoForward.predict_step\(batch, batch_idx\), which "
+                                          r"it does not define, nor forward\(\)"):
+        trainer.predict(NoForward(), inputs)
+
+
+def test_config_yaml_records_the_schedule_the_run_used(tmp_path):
+    main(args=["fit", "--trainer.default_root_dir", str(tmp_path), "--data", "trainkit.demo.markov.MarkovData",
+               "--data.train_sequences", "64", "--data.val_sequences", "16", "--trainer.max_steps", "3",
+               "--trainer.enable_progress_bar", "false"])
+    config = yaml.safe_load((tmp_path / "runs" / "trainkit" / "version_0" / "config.yaml").read_text())
+    assert config["model"]["init_args"]["max_steps"] == 3  # the LR schedule spanned the run's 3 steps
+    assert "check_val_every_n_epoch" in config["trainer"] and config["trainer"]["check_val_every_n_epoch"] is None
+
+
+def _run(args: list[str], cwd) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
+
+
+@pytest.mark.slow
+def test_a_script_built_on_main_names_itself_and_the_subcommand_it_needs(tmp_path):
+    script = str(ROOT / "examples" / "llama.py")
+    proc = _run([script, "--trainer.devices", "2", "--trainer.strategy", "parallel", "--trainer.strategy.tp", "2"],
+                tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "llama.py: error: name what to do first: one of fit, validate, test, predict, estimate, export (`llama.py fit "
+        "--trainer.devices 2 --trainer.strategy parallel --trainer.strategy.tp 2`, say).",
+        "Run `llama.py --help` for the accepted options."]
+    proc = _run([script, "fit", "--trainer.devices", "2"], tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[0] == "llama.py: error: the following arguments are required: --data.path"
+
+
+@pytest.mark.slow
+def test_a_plan_that_fits_nothing_is_one_error_block_from_rank_0(tmp_path):
+    proc = _run(["-m", "trainkit.cli", "fit", "--trainer.devices", "2", "--trainer.accelerator", "cpu",
+                 "--trainer.device_memory", "8MB", "--trainer.max_steps", "2", "--trainer.enable_progress_bar",
+                 "false"], tmp_path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("trainkit: error: No strategy fits in 8.00 MB per device"), \
+        proc.stderr
+    assert lines[1] == "Run `trainkit fit --help` for the accepted options."
+    assert "Traceback" not in proc.stderr and "[rank" not in proc.stderr
