@@ -17,7 +17,7 @@ from trainkit.moe import MoE
 from trainkit_strategies import Environment, Precision, get_strategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from moe import Mixtral  # noqa: E402
+from moe import Mixtral
 
 DIM, LAYERS, TOP_K = 16, 2, 2
 
