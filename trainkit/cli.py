@@ -97,6 +97,11 @@ def _subcommand_parser(name: str, model_class: type[TrainModule] | None,
     parser = Parser(description=SUBCOMMANDS.get(name) or TOOLS[name], exit_on_error=True)
     parser.add_argument("-c", "--config", action=ActionConfigFile, help="YAML config file (see --print_config).")
     parser.add_class_arguments(Trainer, "trainer", fail_untyped=False, instantiate=False)
+    for action in parser._actions:  # the names a user passes, not only the classes jsonargparse knows of
+        if action.dest == "trainer.strategy":
+            action.help = (f"auto (the default: single on one process; on several, the fastest plan that fits "
+                           f"device_memory) or a strategy by name: {', '.join(sorted(available()))}; its options "
+                           "follow as --trainer.strategy.<option> (docs/strategies.md).")
     if model_class is None:
         parser.add_subclass_arguments(TrainModule, "model", required=False, default=lazy_instance(DemoGPT),
                                       help="TrainModule class path (default: the embedded TinyGPT demo).")
@@ -211,6 +216,18 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
     return argv
 
 
+def _demo_data_named(argv: list[str]) -> list[str]:
+    """The demo model's data options given without its class (``--data.train_sequences 4096``): the demo data's
+    (``--data trainkit.demo.markov.MarkovData`` put before them), as the demo run uses it by default."""
+    named = lambda flag: any(t == flag or t.startswith(f"{flag}=") for t in argv)
+    model = next((argv[i + 1] for i, t in enumerate(argv[:-1]) if t == "--model"), None)
+    first = next((i for i, t in enumerate(argv) if t.startswith("--data.")), None)
+    if first is None or named("--data") or named("--config") or (model not in (None, DEMO_MODEL)) or \
+            any(t.startswith("--model=") for t in argv):
+        return argv
+    return [*argv[:first], "--data", DEMO_DATA, *argv[first:]]
+
+
 def _instantiate(parser: ArgumentParser, cfg: Namespace, subcommand: str) -> tuple[Trainer, TrainModule, Any]:
     sub_cfg = cfg[subcommand]
     model_cfg = sub_cfg.get("model")  # a fixed main(MyModule) has no class_path (nor a group without arguments)
@@ -247,6 +264,8 @@ def main(model_class: type[TrainModule] | None = None, datamodule_class: type[Da
         parser.error(f"name what to do first: one of {', '.join([*SUBCOMMANDS, *TOOLS])} (`{parser.prog} fit "
                      f"{' '.join(given)}`, say).")
     argv = normalize_argv(given)
+    if model_class is None and datamodule_class is None:
+        argv = _demo_data_named(argv)
     cfg = parser.parse_args(argv)
     subcommand = cfg.subcommand
     sub_parser = parser._subcommands_action._name_parser_map[subcommand]

@@ -132,3 +132,18 @@ def resume_hint(checkpoint_dir: Path) -> str:
     if last is None:
         return "No checkpoint was committed before the failure."
     return f"The last committed checkpoint, {last}, is intact: resume with --ckpt_path last (or ckpt_path='last')."
+
+
+def report_restored(path: Path, progress: Any, fit_loop: Any) -> str:
+    """What a resume says (rank 0 prints it): the checkpoint and where the run stands; for a fit that has nothing
+    left to do, that, and how to train further."""
+    if fit_loop is None:
+        return f"Restored {path}."
+    said = f"Restored {path}: step {progress.global_step}, epoch {progress.epoch}."
+    if not fit_loop.done:
+        return said
+    config = fit_loop.config
+    reached = f"max_steps={config.max_steps}" if 0 <= config.max_steps <= progress.global_step else \
+        f"max_epochs={config.max_epochs}"
+    return (f"{said} Nothing left to do: the run already reached {reached}; raise --trainer.max_steps (or "
+            "--trainer.max_epochs) to train further.")

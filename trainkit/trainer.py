@@ -387,6 +387,8 @@ class Trainer(TrainerProperties):
                                               self.global_rank)
                 if self.fit_loop is not None and fitting:
                     self.fit_loop.pending_rng = random_state
+                if self.is_global_zero:
+                    print(resume.report_restored(path, self.progress, self.fit_loop if fitting else None), flush=True)
             if fn == "fit":
                 assert self.fit_loop is not None
                 self._log_hyperparams()

@@ -105,3 +105,37 @@ def test_a_plan_that_fits_nothing_is_one_error_block_from_rank_0(tmp_path):
         proc.stderr
     assert lines[1] == "Run `trainkit fit --help` for the accepted options."
     assert "Traceback" not in proc.stderr and "[rank" not in proc.stderr
+
+
+def test_the_demo_datas_options_need_no_class_named(tmp_path):
+    """``--data.train_sequences`` on the demo run: the demo data's option (its class is the default), as the docs
+    show it; the run reads that many sequences."""
+    main(args=["fit", "--trainer.default_root_dir", str(tmp_path), "--data.train_sequences", "48",
+               "--data.val_sequences", "16", "--trainer.max_epochs", "1", "--trainer.max_steps", "-1",
+               "--trainer.enable_progress_bar", "false"])
+    config = yaml.safe_load((tmp_path / "runs" / "trainkit" / "version_0" / "config.yaml").read_text())
+    assert config["data"]["class_path"] == "trainkit.demo.markov.MarkovData"
+    assert config["data"]["init_args"]["train_sequences"] == 48
+
+
+def test_resume_says_what_it_restored_and_a_finished_run_that_it_has_nothing_to_do(tmp_path, capsys):
+    run = ["fit", "--trainer.default_root_dir", str(tmp_path), "--data.train_sequences", "64",
+           "--data.val_sequences", "16", "--trainer.enable_progress_bar", "false"]
+    main(args=[*run, "--trainer.max_steps", "3"])
+    capsys.readouterr()
+    main(args=[*run, "--trainer.max_steps", "5", "--ckpt_path", "last"])
+    out = capsys.readouterr().out
+    assert f"Restored {tmp_path / 'checkpoints'}" in out and ": step 3, epoch " in out
+    assert "Nothing left to do" not in out
+    main(args=[*run, "--trainer.max_steps", "5", "--ckpt_path", "last"])
+    out = capsys.readouterr().out
+    assert ": step 5, epoch " in out
+    assert "Nothing left to do: the run already reached max_steps=5; raise --trainer.max_steps" in out
+
+
+def test_fit_help_lists_the_strategy_names_a_user_passes(capsys):
+    with pytest.raises(SystemExit):
+        main(args=["fit", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # the help's lines joined
+    assert ("a strategy by name: ddp, fsdp, parallel, pipeline, single, zero1, zero2, zero3, zero_offload; its "
+            "options follow as --trainer.strategy.<option>") in out
