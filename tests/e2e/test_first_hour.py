@@ -139,3 +139,11 @@ def test_fit_help_lists_the_strategy_names_a_user_passes(capsys):
     out = " ".join(capsys.readouterr().out.split())  # the help's lines joined
     assert ("a strategy by name: ddp, fsdp, parallel, pipeline, single, zero1, zero2, zero3, zero_offload; its "
             "options follow as --trainer.strategy.<option>") in out
+
+
+def test_the_progress_bar_ends_on_the_last_epoch_that_ran(tmp_path, capsys):
+    """max_epochs=2 runs epochs 0 and 1: the bar's last word on it is epoch=1 (as Lightning's last "Epoch 1")."""
+    trainer = tk.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    trainer.fit(Regressor(), _loader())
+    err = capsys.readouterr().err
+    assert "epoch=1" in err.split("\r")[-1] and "epoch=2" not in err

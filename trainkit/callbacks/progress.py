@@ -19,7 +19,7 @@ class ProgressBar(Callback):
     def __init__(self, refresh_s: float = 0.5) -> None:
         self.refresh_s = refresh_s
         self._bar: Any = None
-        self._shown_step = 0
+        self._shown_step, self._epoch = 0, 0
         self._next_refresh = 0.0
 
     def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
@@ -39,21 +39,21 @@ class ProgressBar(Callback):
         total = trainer.estimated_steps(batches)
         self._bar = tqdm(total=None if math.isinf(total) else int(total), initial=trainer.global_step,
                          unit="step", dynamic_ncols=True, leave=True)
-        self._shown_step = trainer.global_step
+        self._shown_step, self._epoch = trainer.global_step, trainer.current_epoch
 
     def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self._bar is None or trainer.global_step == self._shown_step:
             return
         self._bar.update(trainer.global_step - self._shown_step)
-        self._shown_step = trainer.global_step
+        self._shown_step, self._epoch = trainer.global_step, trainer.current_epoch
         now = time.monotonic()
         if now >= self._next_refresh:
             self._next_refresh = now + self.refresh_s
             self._refresh(trainer)
 
     def _refresh(self, trainer: Trainer) -> None:
-        values = {"epoch": trainer.current_epoch}
+        values = {"epoch": self._epoch}  # the epoch the last step was in (after the last one, not the count)
         values |= {k: f"{v:.4g}" for k, v in trainer.progress_bar_metrics.items()}
         self._bar.set_postfix(values, refresh=True)
 
