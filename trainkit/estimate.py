@@ -34,6 +34,7 @@ from trainkit.activation import apply_activation_checkpointing
 from trainkit.optim import parse_optimizers
 from trainkit.step import unpack_output
 from trainkit.units import human, human_count, human_or_unknown, parse_bytes
+from trainkit.work import tracked
 from trainkit_strategies import (
     ActivationMeter,
     Environment,
@@ -324,7 +325,8 @@ def estimate(module: nn.Module, batch: Any, world_size: int = 1, precision: str 
     candidates = [(name, name, {}) for name in strategies]
     candidates += [(layout_label(degrees, world_size), "parallel", dict(degrees)) for degrees in layouts]
     rows = []
-    for label, name, options in candidates:
+    for label, name, options in tracked(candidates, f"planning {len(candidates)} strategies and layouts "
+                                                    f"at {world_size} ranks"):
         try:
             strategy = get_strategy(name, **options)
             unfit = strategy.unfit_for(module, optimizer)

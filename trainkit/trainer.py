@@ -37,6 +37,7 @@ from trainkit.seed import rng_state, seed_everything
 from trainkit.signals import Preempted, StepSignals
 from trainkit.step import OptimizerStep, StepConfig
 from trainkit.utils import model_summary, print_results, tensor_cores_idle
+from trainkit.work import show_progress
 from trainkit_strategies import Precision, Strategy
 from trainkit_strategies.registry import get_strategy
 
@@ -365,6 +366,7 @@ class Trainer(TrainerProperties):
             torch.use_deterministic_algorithms(True)
         timer = self.profiler if isinstance(self.profiler, SimpleProfiler) else None
         hooks = self._hooks = HookDispatch(self, module, self.callbacks, timer)
+        show_progress(any(isinstance(c, ProgressBar) for c in self.callbacks) and self.is_global_zero)  # long work
         self.data.prepare(datamodule if datamodule is not None else module, train)
         try:
             self._setup(fn, module, hooks)

@@ -147,3 +147,27 @@ def test_the_progress_bar_ends_on_the_last_epoch_that_ran(tmp_path, capsys):
     trainer.fit(Regressor(), _loader())
     err = capsys.readouterr().err
     assert "epoch=1" in err.split("\r")[-1] and "epoch=2" not in err
+
+
+def test_long_work_shows_its_progress_unless_progress_bars_are_off(tmp_path, capsys):
+    """Work outside the training loop (sampling a dataset, planning) names itself once it has taken two seconds, on
+    rank 0; with enable_progress_bar=False nothing."""
+    import time
+
+    from trainkit import work
+
+    def slow():
+        for i in range(12):
+            time.sleep(0.25)
+            yield i
+
+    work.show_progress(True)
+    assert list(work.tracked(slow(), "sampling the test's data", total=12)) == list(range(12))
+    assert "sampling the test's data" in capsys.readouterr().err
+    assert list(work.tracked(range(3), "quick work")) == [0, 1, 2]
+    assert "quick work" not in capsys.readouterr().err  # under two seconds: nothing
+    tk.Trainer(enable_progress_bar=False, logger=False, enable_checkpointing=False, max_steps=1,
+               default_root_dir=tmp_path).fit(Regressor(), _loader())
+    assert list(work.tracked(slow(), "after a quiet trainer")) == list(range(12))
+    assert "after a quiet trainer" not in capsys.readouterr().err
+    work.show_progress(True)

@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from trainkit.data import DataModule
+from trainkit.work import tracked
 
 
 class MarkovChain:
@@ -56,7 +57,7 @@ class MarkovChain:
         out = torch.empty(num_sequences, length, dtype=torch.long, device="cpu")
         out[:, 0], out[:, 1] = pairs // v, pairs % v
         flat = self.transition.reshape(v * v, v)
-        for t in range(2, length):
+        for t in tracked(range(2, length), f"sampling {num_sequences} Markov sequences of {length} tokens"):
             rows = flat[out[:, t - 2] * v + out[:, t - 1]]
             out[:, t] = torch.multinomial(rows, 1, generator=gen).squeeze(1)
         return out
