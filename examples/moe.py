@@ -17,18 +17,15 @@ import math
 import sys
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 import trainkit as tk
 from trainkit.cli import main
 from trainkit.moe import MoE, moe_metrics
-from trainkit.optim import warmup_cosine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt import TextData  # the byte-level text data of examples/gpt.py
-from llama import Attention, LlamaConfig, RMSNorm  # its attention and norms
+from llama import Attention, Llama, LlamaConfig, RMSNorm  # its attention, norms and training
 
 
 class Block(nn.Module):
@@ -61,26 +58,9 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
 
-class _Embed(nn.Module):
-    def __init__(self, model: Transformer) -> None:
-        super().__init__()
-        self.tok_embeddings = model.tok_embeddings
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        return self.tok_embeddings(tokens)
-
-
-class _Head(nn.Module):
-    def __init__(self, model: Transformer) -> None:
-        super().__init__()
-        self.norm, self.output = model.norm, model.output
-
-    def forward(self, h: Tensor) -> Tensor:
-        return self.output(self.norm(h))
-
-
-class Mixtral(tk.TrainModule):
-    """A small Mixtral trained as a byte-level language model with AdamW, warmup and cosine decay.
+class Mixtral(Llama):
+    """A small Mixtral trained as a byte-level language model with AdamW, warmup and cosine decay: examples/llama.py's
+    module (its loss, validation, pipeline stages and optimizer) over a Transformer of MoE blocks.
 
     Args:
         vocab_size, max_seq_len, dim, n_layers, n_heads, n_kv_heads: as examples/llama.py's.
@@ -95,18 +75,12 @@ class Mixtral(tk.TrainModule):
                  z_coef: float = 0.001, balance: str = "sequence", shared_hidden: int = 0, lr: float = 1e-3,
                  weight_decay: float = 0.1, adam_eps: float = 1e-8, warmup_steps: int = 100,
                  max_steps: int = 5000) -> None:
-        super().__init__()
+        tk.TrainModule.__init__(self)  # Llama's model is not built: this one is
         self.save_hyperparameters()
         cfg = LlamaConfig(vocab_size, max_seq_len, dim, n_layers, n_heads, n_kv_heads, hidden_dim)
         self.model = Transformer(cfg, dict(experts=experts, top_k=top_k, scoring=scoring,
                                            capacity_factor=capacity_factor, balance_coef=balance_coef,
                                            z_coef=z_coef, balance=balance, shared_hidden=shared_hidden))
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        return self.model(tokens)
-
-    def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor | int]:
         x, y = batch
@@ -114,10 +88,6 @@ class Mixtral(tk.TrainModule):
         self.log("train_loss", loss, prog_bar=True)
         self.log_dict(moe_metrics(self), sync_dist=True)
         return {"loss": loss, "num_items": y.numel()}
-
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        x, y = batch
-        self.log("val_loss", self._loss(self(x), y), prog_bar=True, sync_dist=True, batch_size=x.shape[0])
 
     def tensor_parallel_plan(self) -> dict[str, str]:
         """Attention as examples/llama.py splits it; the MoE layers are not split by tp: under sequence parallelism
@@ -131,25 +101,6 @@ class Mixtral(tk.TrainModule):
             "model.layers.*.attn.wo": "rowwise",
             "model.output": "lm_head",
         }
-
-    def pipeline_layers(self) -> list[nn.Module]:
-        return [_Embed(self.model), *self.model.layers, _Head(self.model)]
-
-    def pipeline_loss(self, logits: Tensor, batch: tuple[Tensor, Tensor]) -> dict[str, Tensor | int]:
-        return {"loss": self._loss(logits, batch[1]), "num_items": batch[1].numel()}
-
-    def pipeline_validation_step(self, logits: Tensor, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict:
-        return {"val_loss": self._loss(logits, batch[1])}
-
-    def configure_optimizers(self) -> dict:
-        hp = self.hparams
-        decay = [p for n, p in self.named_parameters() if p.dim() >= 2 and "tok_embeddings" not in n]
-        rest = [p for n, p in self.named_parameters() if not (p.dim() >= 2 and "tok_embeddings" not in n)]
-        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": hp.weight_decay},
-                                       {"params": rest, "weight_decay": 0.0}], lr=hp.lr, betas=(0.9, 0.95),
-                                      eps=hp.adam_eps)
-        scheduler = warmup_cosine(optimizer, self.hparams.warmup_steps, self.hparams.max_steps)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 if __name__ == "__main__":

@@ -11,12 +11,9 @@ import pytest
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_only
 
-from tests.simworld import CPU, SimWorld
+from tests.unit import test_parallel_resume as parallel_resume
 from tests.unit.test_expert_parallel import _model
 from trainkit import checkpoint as ckpt
-from trainkit.dispatch import HookDispatch
-from trainkit.step import OptimizerStep, StepConfig
-from trainkit_strategies import Environment, Precision, get_strategy
 
 rank_zero_only.rank = 0
 LAYOUTS = {  # name: (strategy, options, world size)
@@ -38,31 +35,7 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def run(layout: str, steps: list[int], load: Path | None, save: Path | None) -> dict[str, torch.Tensor]:
-    name, options, world_size = LAYOUTS[layout]
-    world = SimWorld(world_size, device=CPU)
-    models = [_model() for _ in range(world_size)]
-    data = batches()
-
-    def rank(r: int) -> dict[str, torch.Tensor]:
-        strategy = get_strategy(name, **options)
-        strategy.setup_environment(Environment(rank=r, world_size=world_size), comm=world.comm(r))
-        module = models[r]
-        strategy.setup(module, module.configure_optimizers()["optimizer"], Precision.from_name("32"))
-        if load is not None:
-            strategy.load_state(ckpt.CheckpointReader(load), ckpt.read_meta(load)["optimizer"]["param_groups"])
-        step = OptimizerStep(strategy, StepConfig(1, gradient_clip_val=0.05), Precision.from_name("32"),
-                             HookDispatch(None, module))
-        for t in steps:
-            x, y = data[t]
-            replica, replicas = strategy.dp_rank, strategy.dp_size
-            step.micro_step(module, (x[replica::replicas], y[replica::replicas]), t, boundary=True)
-            assert step.step()
-        if save is not None:
-            meta = {"optimizer": {"class": "AdamW", "param_groups": strategy.optimizer_groups()}}
-            ckpt.save(save.parent, save.name, strategy, meta, strategy.state_pieces(), {})
-        return {k: v.detach().clone() for k, v in strategy.full_parameters().items()}
-
-    return world.run(rank)[0]
+    return parallel_resume.run(layout, steps, load, save, LAYOUTS, _model, batches)
 
 
 @pytest.fixture(scope="module")

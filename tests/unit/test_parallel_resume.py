@@ -9,6 +9,7 @@ with real values (``tests/simworld.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -49,11 +50,14 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(2)]
 
 
-def run(layout: str, steps: list[int], load: Path | None, save: Path | None) -> dict[str, torch.Tensor]:
-    name, options, world_size = LAYOUTS[layout]
+def run(layout: str, steps: list[int], load: Path | None, save: Path | None, layouts: dict | None = None,
+        make: Callable[[], torch.nn.Module] = lambda: gpt(),
+        data_of: Callable[[], list] = lambda: batches()) -> dict[str, torch.Tensor]:
+    """``steps`` of ``layout`` (of ``layouts``: the GPT's here) from ``load``, saved to ``save``; the parameters."""
+    name, options, world_size = (layouts or LAYOUTS)[layout]
     world = SimWorld(world_size, device=CPU)
-    models = [gpt() for _ in range(world_size)]  # built here: the ranks' threads share one random generator
-    data = batches()
+    models = [make() for _ in range(world_size)]  # built here: the ranks' threads share one random generator
+    data = data_of()
 
     def rank(r: int) -> dict[str, torch.Tensor]:
         strategy = get_strategy(name, **options)
