@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
+from trainkit_strategies.errors import ConfigurationError
 
-class ConfigurationError(ValueError):
-    """A run that cannot start as configured: a loop the module has no step for, a plan that fits nothing. Every rank
-    raises it alike, so the ranks part without aborting each other; the command line prints it once, from rank 0,
-    as ``trainkit: error:``, and exits with code 2."""
+__all__ = ["ConfigurationError", "MissingStep"]
 
 
 class MissingStep(ConfigurationError):

@@ -39,6 +39,7 @@ from trainkit_strategies.comm import Comm
 from trainkit_strategies.context.huggingface import adopt as adopt_huggingface
 from trainkit_strategies.context.ring import METHODS, ContextParallel, context_parallel, shard_sequence
 from trainkit_strategies.environment import Environment
+from trainkit_strategies.errors import ConfigurationError
 from trainkit_strategies.experts.context import ExpertContext, expert_context
 from trainkit_strategies.experts.parallel import ExpertParallel
 from trainkit_strategies.layout import Layout, Mesh, check_degrees, resolve_layout
@@ -293,7 +294,7 @@ class ParallelStrategy(Wrapper, Parallelizes):
                 )
             heads = indivisible_heads(module, self.tp)
             if heads is not None:
-                raise ValueError(f"Strategy 'parallel' with tp={self.tp}: {heads}")
+                raise ConfigurationError(f"Strategy 'parallel' with tp={self.tp}: {heads}")
             same_start(module, self.tp_comm, self.device)
             self.applied = apply_plan(module, plan, self.tp_comm, self.sequence_parallel)
         if self.experts is not None:

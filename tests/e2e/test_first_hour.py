@@ -171,3 +171,17 @@ def test_long_work_shows_its_progress_unless_progress_bars_are_off(tmp_path, cap
     assert list(work.tracked(slow(), "after a quiet trainer")) == list(range(12))
     assert "after a quiet trainer" not in capsys.readouterr().err
     work.show_progress(True)
+
+
+@pytest.mark.slow
+def test_a_layout_the_model_cannot_divide_into_is_one_error_block_from_rank_0(tmp_path):
+    """Found while the strategy cuts the model (after the ranks have started): 3 experts over ep=2."""
+    text = tmp_path / "input.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    proc = _run([str(ROOT / "examples" / "moe.py"), "fit", "--data.path", str(text), "--trainer.devices", "2",
+                 "--trainer.accelerator", "cpu", "--trainer.strategy", "parallel", "--trainer.strategy.ep", "2",
+                 "--model.experts", "3", "--trainer.max_steps", "1"], tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "moe.py: error: parallel: ep=2 does not divide the 3 experts of a MoE layer: use an ep that divides 3.",
+        "Run `moe.py fit --help` for the accepted options."], proc.stderr

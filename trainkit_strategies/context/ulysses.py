@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.autograd import Function
 
 from trainkit_strategies.comm import Comm
+from trainkit_strategies.errors import ConfigurationError
 
 
 def _natural(size: int) -> list[tuple[int, int]]:
@@ -98,7 +99,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, comm: Comm, members: list
     ``members``: the cp group's ranks of ``comm``, in cp order."""
     heads, size = q.shape[1], len(members)
     if heads % size:
-        raise ValueError(f"cp_method='ulysses' gives each of the cp={size} ranks heads/cp of the heads, "
+        raise ConfigurationError(f"cp_method='ulysses' gives each of the cp={size} ranks heads/cp of the heads, "
                          f"but attention has {heads}: use a cp that divides {heads}, or cp_method='ring'.")
     q, k, v = (_ToHeads.apply(t.contiguous(), comm, members) for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from trainkit_strategies.comm import Comm
+from trainkit_strategies.errors import ConfigurationError
 from trainkit_strategies.experts.layer import MoE
 from trainkit_strategies.tensor.layers import Split
 
@@ -47,12 +48,12 @@ class ExpertParallel:
         """Cut every MoE layer's stacked expert weights to this rank's block of experts."""
         layers = moe_layers(module)
         if not layers:
-            raise ValueError(f"parallel: ep={self.size} divides the experts of trainkit.moe.MoE layers, and "
-                             f"{type(module).__name__} has none: use ep=1, or build the model with MoE layers.")
+            raise ConfigurationError(f"parallel: ep={self.size} divides the experts of trainkit.moe.MoE layers, and "
+                                     f"{type(module).__name__} has none: use ep=1, or build the model with MoE layers.")
         for layer in layers:
             if layer.num_experts % self.size:
-                raise ValueError(f"parallel: ep={self.size} does not divide the {layer.num_experts} experts of a MoE "
-                                 f"layer: use an ep that divides {layer.num_experts}.")
+                raise ConfigurationError(f"parallel: ep={self.size} does not divide the {layer.num_experts} "
+                                         f"experts of a MoE layer: use an ep that divides {layer.num_experts}.")
             for name in ("w1", "w3", "w2"):
                 param = getattr(layer, name)
                 split = Split(0, self.size)
