@@ -23,12 +23,12 @@ _local = threading.local()  # .stack: the lists of the collecting contexts this 
 
 
 @contextmanager
-def collecting() -> Iterator[list[Tensor]]:
-    """Collect the auxiliary losses added while inside; yields the list they are appended to."""
+def collecting() -> Iterator[list[tuple[Tensor, int]]]:
+    """Collect the auxiliary losses added while inside; yields the list they are appended to, as (term, tokens)."""
     stack = getattr(_local, "stack", None)
     if stack is None:
         stack = _local.stack = []
-    found: list[Tensor] = []
+    found: list[tuple[Tensor, int]] = []
     stack.append(found)
     try:
         yield found
@@ -42,13 +42,12 @@ def add_auxiliary_loss(term: Tensor, tokens: int = 1) -> None:
     weighted by its ``tokens`` as the loss is by its items: a language model's items are its tokens."""
     stack = getattr(_local, "stack", None)
     if stack and term.requires_grad:
-        term.auxiliary_tokens = tokens  # type: ignore[attr-defined]
-        stack[-1].append(term)
+        stack[-1].append((term, tokens))
 
 
-def with_auxiliary(loss: Tensor, found: list[Tensor]) -> Tensor:
+def with_auxiliary(loss: Tensor, found: list[tuple[Tensor, int]]) -> Tensor:
     """``loss`` plus the terms collected for it (weighted as it is)."""
-    for term in found:
+    for term, _ in found:
         loss = loss + term.to(loss.dtype)
     return loss
 
@@ -67,9 +66,9 @@ class _Attached(Function):
         return grad, torch.ones_like(ctx.like)
 
 
-def attached(x: Tensor, found: list[Tensor], weight: float | Tensor) -> Tensor:
+def attached(x: Tensor, found: list[tuple[Tensor, int]], weight: float | Tensor) -> Tensor:
     """``x`` carrying the terms ``found``, each weighted by ``weight`` per token (a pipeline stage's output)."""
     if not found:
         return x
-    total = sum(term.float() * term.auxiliary_tokens for term in found) * weight  # type: ignore[attr-defined]
+    total = sum(term.float() * tokens for term, tokens in found) * weight
     return _Attached.apply(x, total)

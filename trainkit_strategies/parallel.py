@@ -179,8 +179,7 @@ class ParallelStrategy(Wrapper, Parallelizes):
         self._cp = ContextParallel(shard, self.cp_method, ring) if ring is not None else None
         self.tp_rank = coords["tp"]
         if self.pipeline is not None:
-            self.pipeline.connect(self.comm, self.mesh, self.device)
-            self.pipeline.around = lambda: expert_context(self._experts_here())  # its stages' MoE layers
+            self.pipeline.connect(self.comm, self.mesh, self.device, lambda: expert_context(self._experts_here()))
         name, group = self._engine(self.layout)
         self.inner = self._make_engine(name)
         local = dataclasses.replace(env, rank=group.rank, local_rank=group.rank, world_size=group.world_size)

@@ -119,7 +119,8 @@ def test_the_balance_and_z_losses_follow_their_formulas():
     balance, z = (float(t) for t in _losses_by_formula(layer, x))
     assert float(layer.balance) == pytest.approx(balance, rel=1e-6)
     assert float(layer.z) == pytest.approx(z, rel=1e-6)
-    assert len(found) == 1 and float(found[0]) == pytest.approx(0.01 * float(layer.balance), rel=1e-6)
+    assert len(found) == 1 and float(found[0][0]) == pytest.approx(0.01 * float(layer.balance), rel=1e-6)
+    assert found[0][1] == 3 * 10  # the tokens the term is a mean over
     flat = _moe(top_k=2)
     nn.init.zeros_(flat.router.weight)  # every expert equally likely: balanced by the formula's measure
     flat(x)

@@ -106,12 +106,15 @@ class Pipeline(RunsSchedule):
         self._to_global: dict[str, str] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._actions: dict[int, list] = {}  # micro-batch count -> this stage's schedule
-        self.around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # the layout's contexts
+        self.around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # connect() sets it
 
     # -- topology ------------------------------------------------------------------------------------
-    def connect(self, comm: Comm, mesh: Mesh, device: torch.device) -> None:
+    def connect(self, comm: Comm, mesh: Mesh, device: torch.device,
+                around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
         """This rank's stage of ``mesh`` (whose ``pp`` axis is the stages) and the links to its neighbours, over
-        ``comm`` (the mesh's world). Collective: every rank makes every group, in one order."""
+        ``comm`` (the mesh's world); ``around``: the layout's contexts for each stage's forward and backward (where
+        its MoE layers' experts are). Collective: every rank makes every group, in one order."""
+        self.around = around
         stages, v = mesh.layout.pp, self.virtual_stages
         if v > 1 and stages < 2:
             raise ValueError(f"pipeline virtual_stages={v} interleaves chunks across ranks; it needs stages >= 2.")
