@@ -7,17 +7,27 @@ rank reaches together: the logging interval and the end of an epoch.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-from torchmetrics import Metric
+
+if TYPE_CHECKING:
+    from torchmetrics import Metric
 
 from trainkit.utils import infer_batch_size
 
 _REDUCE_FX = ("mean", "sum", "max", "min")
+
+
+def _is_metric(value: Any) -> bool:
+    """Whether ``value`` is a torchmetrics Metric, without importing torchmetrics (0.6 s with transformers
+    installed, paid by every rank at start): a value cannot be a Metric unless its user imported the library."""
+    torchmetrics = sys.modules.get("torchmetrics")
+    return torchmetrics is not None and isinstance(value, torchmetrics.Metric)
 
 
 @dataclass
@@ -72,7 +82,7 @@ class Results:
                 prog_bar, logger, training if on_step is None else on_step,
                 (not training) if on_epoch is None else on_epoch, reduce_fx, sync_dist,
             )
-        if isinstance(value, Metric):
+        if _is_metric(value):
             entry.metric = value
             entry.last = value._forward_cache
             return
