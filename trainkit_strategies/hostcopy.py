@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from trainkit_strategies.memory import page_locked, planned_host
+from trainkit_strategies.memory import page_locked, plan_host
 
 if TYPE_CHECKING:
     from trainkit_strategies.environment import Environment
@@ -40,7 +40,7 @@ def host_buffer(numel: int, dtype: torch.dtype, env: Environment, pinned: bool =
     if pinned and env.host_is_separate:
         page_locked.add(tensor.untyped_storage())
     if env.host.type == "meta":
-        planned_host.add(tensor.untyped_storage())
+        plan_host(tensor)
     return tensor
 
 

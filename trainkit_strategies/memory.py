@@ -7,6 +7,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -68,37 +69,71 @@ class LiveBytes(TorchDispatchMode):
     """The most bytes alive at once in storages created on ``device`` while active (meta and fake tensors count their
     size; a storage resized to nothing counts nothing), leaving out host memory planned on the meta device
     (``planned_host``): what a strategy's setup holds on the device at its peak, measured by ``trainkit estimate``
-    on meta tensors. Tensors that existed before are not counted."""
+    on meta tensors. Tensors that existed before are not counted.
+
+    The total is kept as it changes, not summed anew at every operation (which cost half of planning a large model):
+    a storage counts from the operation that made it until it dies; an operation's outputs are measured again (an
+    in-place resize); a resize outside the dispatcher goes through ``resize_storage`` and host memory planned on the
+    meta device through ``plan_host``, both of which tell the meters running."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.device = device
         self.peak = 0
-        self._storages: dict[object, weakref.ref] = {}
+        self._total = 0
+        self._counted: dict[object, tuple[weakref.ref, int]] = {}  # storage key -> (the storage, the bytes counted)
 
-    def _live(self) -> int:
-        total = 0
-        for key, ref in list(self._storages.items()):
-            storage = ref()
-            if storage is None:
-                del self._storages[key]
-            elif storage not in planned_host:
-                total += storage.nbytes()
-        return total
+    def measure(self, t: Tensor) -> None:
+        """Counts ``t``'s storage as it is now (a new storage from now on, a known one at its current size)."""
+        storage, key = t.untyped_storage(), _storage_key(t)
+        ref, counted = self._counted.get(key, (None, 0))
+        if ref is None or ref() is not storage:  # new (or a dead storage's address reused)
+            ref, counted = weakref.ref(storage, partial(self._died, key)), 0
+        now = 0 if storage in planned_host else storage.nbytes()
+        self._total += now - counted
+        self._counted[key] = (ref, now)
+
+    def _died(self, key: object, ref: weakref.ref) -> None:
+        entry = self._counted.get(key)
+        if entry is not None and entry[0] is ref:
+            self._total -= entry[1]
+            del self._counted[key]
+
+    def __enter__(self) -> LiveBytes:
+        _meters.append(self)
+        return super().__enter__()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        self.peak = max(self.peak, self._live())
+        self.peak = max(self.peak, self._total)
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, Tensor) and t.device.type == self.device.type:
-                key, ref = _storage_key(t), self._storages.get(_storage_key(t))
-                if ref is None or ref() is None:
-                    self._storages[key] = weakref.ref(t.untyped_storage())
+                self.measure(t)
         return out
 
     def __exit__(self, *exc: object) -> None:
-        self.peak = max(self.peak, self._live())
+        self.peak = max(self.peak, self._total)
+        _meters.remove(self)
         super().__exit__(*exc)
+
+
+_meters: list[LiveBytes] = []  # the LiveBytes meters running, innermost last
+
+
+def resize_storage(t: Tensor, nbytes: int) -> None:
+    """``t.untyped_storage().resize_(nbytes)``, told to the running meters (a resize is no operation they see)."""
+    t.untyped_storage().resize_(nbytes)
+    for meter in _meters:
+        if _storage_key(t) in meter._counted:
+            meter.measure(t)
+
+
+def plan_host(t: Tensor) -> None:
+    """Marks ``t``'s storage as host memory planned on the meta device: not the device's, so no meter counts it."""
+    planned_host.add(t.untyped_storage())
+    for meter in _meters:
+        if _storage_key(t) in meter._counted:
+            meter.measure(t)
 
 
 def _storage_key(t: Tensor) -> object:

@@ -42,7 +42,7 @@ from trainkit_strategies.comm import Comm
 from trainkit_strategies.environment import Environment
 from trainkit_strategies.flat import BucketReducer, FlatBucket, OrderedLauncher
 from trainkit_strategies.master import DeferredGradScale, MasterShards
-from trainkit_strategies.memory import MemoryReport
+from trainkit_strategies.memory import MemoryReport, resize_storage
 from trainkit_strategies.precision import Precision, dtype_named
 from trainkit_strategies.sharding.deferred import InitRecorder, Replayer
 from trainkit_strategies.sharding.materialise import materialise_meta
@@ -205,7 +205,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
             gathered = torch.empty(layout.padded, dtype=self.precision.working_dtype, device=self.device)
             for p, view in zip(layout.params, layout.param_views(gathered), strict=True):
                 p.data, p.grad = view, None
-            gathered.untyped_storage().resize_(0)
+            resize_storage(gathered, 0)
             unit.buckets.append(ShardedBucket(layout, unit, gathered, shard))
         fulls.clear()
 
@@ -225,7 +225,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         if not unit.gathered:
             unit.gathered = True
             for b in unit.buckets:
-                b.gathered.untyped_storage().resize_(b.layout.padded * b.gathered.element_size())
+                resize_storage(b.gathered, b.layout.padded * b.gathered.element_size())
                 unit.handles.append(self.comm.all_gather(b.gathered, b.shard, async_op=True))
         if not async_op:
             self._wait(unit)
@@ -240,7 +240,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
             return
         self._wait(unit)
         for b in unit.buckets:
-            b.gathered.untyped_storage().resize_(0)
+            resize_storage(b.gathered, 0)
         unit.gathered = False
 
     def _next_in_order(self, phase: str, unit: Unit) -> Unit | None:
