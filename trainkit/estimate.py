@@ -326,7 +326,7 @@ def estimate(module: nn.Module, batch: Any, world_size: int = 1, precision: str 
     candidates += [(layout_label(degrees, world_size), "parallel", dict(degrees)) for degrees in layouts]
     rows = []
     for label, name, options in tracked(candidates, f"planning {len(candidates)} strategies and layouts "
-                                                    f"at {world_size} ranks"):
+                                                    f"at {world_size} ranks", label=lambda c: c[0]):
         try:
             strategy = get_strategy(name, **options)
             unfit = strategy.unfit_for(module, optimizer)

@@ -118,6 +118,8 @@ def _launch(devices: int, timeout_s: float) -> None:
     torch.set_num_threads(int(threads))
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(devices),
             "LOCAL_WORLD_SIZE": str(devices), "OMP_NUM_THREADS": threads}
+    print(f"Launching {devices} ranks on this machine ({threads} CPU thread(s) each); this process is rank 0.",
+          flush=True)  # the seconds until they have all joined would otherwise be silent
     for rank in range(1, devices):
         env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "TRAINKIT_LAUNCHED": "1"}
         _children.append(subprocess.Popen(_command(), env=env))
