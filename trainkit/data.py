@@ -17,6 +17,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
+from trainkit_strategies.errors import ConfigurationError
+
 
 class DataModule:
     """Groups the data of a run: override the ``*_dataloader`` methods you need.
@@ -204,9 +206,9 @@ class DataConnector:
             return self._source_train
         loader = self._train_arg if self._train_arg is not None else self._source.train_dataloader()
         if loader is None:
-            raise ValueError(
-                "No training data: pass train_dataloaders to fit(), a datamodule, or implement "
-                "train_dataloader() on the module."
+            raise ConfigurationError(
+                "No training data: pass train_dataloaders to fit(), a datamodule (--data CLASS on the command line, "
+                "for example --data trainkit.demo.markov.MarkovData), or implement train_dataloader() on the module."
             )
         self._source_train = loader
         return loader

@@ -9,6 +9,7 @@ results, the data and a function that sends metrics to the loggers. What a fit r
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -19,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from trainkit.data import DataConnector, ResumableSampler, num_batches
 from trainkit.dispatch import HookDispatch
-from trainkit.errors import MissingStep
+from trainkit.errors import ConfigurationError, MissingStep
 from trainkit.module import TrainModule
 from trainkit.results import Results
 from trainkit.seed import set_rng_state
@@ -27,6 +28,20 @@ from trainkit.step import OptimizerStep
 from trainkit_strategies import RunsSchedule, Strategy, capability
 
 Emit = Callable[[dict[str, float]], None]  # metrics to every logger, at the current global step
+STEPS_CAP = "TRAINKIT_MAX_STEPS"
+
+
+def steps_cap() -> int | None:
+    """``TRAINKIT_MAX_STEPS=N``: each fit stops N optimizer steps after where it started (or resumed), and each
+    validation, test or predict loop reads at most N batches per loader. For trying a command quickly: the docs
+    test runs every documented command so. Unset (or empty): no cap."""
+    value = os.environ.get(STEPS_CAP, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigurationError(f"{STEPS_CAP}={value!r}: it caps the steps of every loop and needs a positive "
+                                 f"integer; unset it (or set it to, say, 2).")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -121,8 +136,9 @@ class EvalLoop:
 
     def _batches(self, loaders: Sequence[DataLoader], limit: int | float | None) -> Iterator[tuple[int, int, Any]]:
         moves = self.data.moves_batches
+        cap = steps_cap()
         for dl_idx, loader in enumerate(loaders):
-            n = num_batches(loader, limit)
+            n = num_batches(loader, limit) if cap is None else min(num_batches(loader, limit), cap)
             for batch_idx, batch in enumerate(_iterate(loader, 0, self.config.seed, 0)):
                 if batch_idx >= n:
                     break
@@ -216,6 +232,7 @@ class FitLoop:
         self.boundary = boundary  # after each optimizer step and its batch-end hooks, on every rank
         self.pending_rng: dict | None = None  # a resumed run's random state, applied when its epoch starts
         self.validates = bool(data.val_dataloaders) and has_validation(module, strategy)
+        self.stop_at: int | None = None  # the global step TRAINKIT_MAX_STEPS stops this fit at (see steps_cap)
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.progress.state_dict(), "items_norm": self.step.items_norm}
@@ -236,9 +253,16 @@ class FitLoop:
     def done(self) -> bool:
         p, c = self.progress, self.config
         return p.should_stop or (0 <= c.max_steps <= p.global_step) or (
-            c.max_epochs is not None and p.epoch >= c.max_epochs)
+            c.max_epochs is not None and p.epoch >= c.max_epochs) or (
+            self.stop_at is not None and p.global_step >= self.stop_at)
 
     def run(self) -> None:
+        cap = steps_cap()
+        if cap is not None:
+            self.stop_at = self.progress.global_step + cap
+            if self.strategy.is_global_zero:
+                print(f"{STEPS_CAP}={cap}: this fit stops after {cap} step(s), at step {self.stop_at}, and each "
+                      "evaluation reads at most that many batches.", flush=True)
         self.hooks("on_fit_start")
         sanity = self.config.num_sanity_val_steps
         if sanity and self.validates:
@@ -293,6 +317,8 @@ class FitLoop:
         if batch_idx != p.batch_idx and self._finish_step(batch_idx, val_every):  # a window cut short by the data
             self._step_ended()
         if self.done and batch_idx < limit:
+            if self.validates and self.stop_at is not None and p.global_step >= self.stop_at:
+                self._validate(c.limit_val_batches)  # a fit cut short by TRAINKIT_MAX_STEPS validates as at its end
             return
         if c.limit_train_batches is None:
             _exhaust(batches)

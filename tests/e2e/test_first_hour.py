@@ -150,7 +150,7 @@ def test_the_progress_bar_ends_on_the_last_epoch_that_ran(tmp_path, capsys):
 
 
 def test_long_work_shows_its_progress_unless_progress_bars_are_off(tmp_path, capsys):
-    """Work outside the training loop (sampling a dataset, planning) names itself once it has taken two seconds, on
+    """Work outside the training loop (sampling a dataset, planning) names itself once it has taken a second, on
     rank 0; with enable_progress_bar=False nothing."""
     import time
 
@@ -165,12 +165,39 @@ def test_long_work_shows_its_progress_unless_progress_bars_are_off(tmp_path, cap
     assert list(work.tracked(slow(), "sampling the test's data", total=12)) == list(range(12))
     assert "sampling the test's data" in capsys.readouterr().err
     assert list(work.tracked(range(3), "quick work")) == [0, 1, 2]
-    assert "quick work" not in capsys.readouterr().err  # under two seconds: nothing
+    assert "quick work" not in capsys.readouterr().err  # under a second: nothing
     tk.Trainer(enable_progress_bar=False, logger=False, enable_checkpointing=False, max_steps=1,
                default_root_dir=tmp_path).fit(Regressor(), _loader())
     assert list(work.tracked(slow(), "after a quiet trainer")) == list(range(12))
     assert "after a quiet trainer" not in capsys.readouterr().err
     work.show_progress(True)
+
+
+def test_an_item_that_takes_long_is_not_a_silence(monkeypatch):
+    """The bar's clock ticks every second while one item takes long (planning one large layout: 6 s printed
+    nothing before), and names the item in hand."""
+    import io
+    import itertools
+    import time
+
+    from trainkit import work
+
+    writes: list[tuple[float, str]] = []
+
+    class Clocked(io.StringIO):
+        def write(self, text: str) -> int:
+            writes.append((time.monotonic(), text))
+            return len(text)
+
+    monkeypatch.setattr(sys, "stderr", Clocked())
+    work.show_progress(True)
+    start = time.monotonic()
+    for _ in work.tracked(["zero2", "fsdp"], "planning 2 strategies", label=str):
+        time.sleep(1.6)
+    end = time.monotonic()
+    times = [start] + [t for t, text in writes if text.strip()] + [end]
+    assert max(b - a for a, b in itertools.pairwise(times)) < 1.6, times  # a refresh at least every second
+    assert any("zero2" in text for _, text in writes) and any("fsdp" in text for _, text in writes)
 
 
 @pytest.mark.slow
@@ -185,3 +212,41 @@ def test_a_layout_the_model_cannot_divide_into_is_one_error_block_from_rank_0(tm
     assert proc.stderr.strip().splitlines() == [
         "moe.py: error: parallel: ep=2 does not divide the 3 experts of a MoE layer: use an ep that divides 3.",
         "Run `moe.py fit --help` for the accepted options."], proc.stderr
+
+
+class Counted(Regressor):  # counts the batches each loop reads
+    def __init__(self) -> None:
+        super().__init__()
+        self.read = {"validate": 0, "test": 0}
+
+    def validation_step(self, batch, batch_idx):
+        self.read["validate"] += 1
+        self.log("val_loss", F.mse_loss(self(batch[0]), batch[1]))
+
+    def test_step(self, batch, batch_idx):
+        self.read["test"] += 1
+
+
+def test_trainkit_max_steps_caps_each_fit_from_where_it_starts(tmp_path, monkeypatch, capsys):
+    """The docs test's rule (docs/reference.md): TRAINKIT_MAX_STEPS=N stops a fit N steps after it starts or resumes,
+    validates there once, saves its checkpoint, and has each evaluation read at most N batches."""
+    monkeypatch.setenv("TRAINKIT_MAX_STEPS", "3")
+    kwargs = dict(max_epochs=5, logger=False, enable_progress_bar=False, default_root_dir=tmp_path,
+                  num_sanity_val_steps=0)
+    module = Counted()
+    trainer = tk.Trainer(**kwargs)
+    trainer.fit(module, _loader(), _loader())  # 4 batches an epoch, 20 in all without the cap
+    assert trainer.global_step == 3 and module.read["validate"] == 3  # one validation, of 3 of its 4 batches
+    assert "TRAINKIT_MAX_STEPS=3: this fit stops after 3 step(s), at step 3" in capsys.readouterr().out
+    trainer = tk.Trainer(**kwargs)
+    trainer.fit(Counted(), _loader(), _loader(), ckpt_path="last")
+    assert trainer.global_step == 6
+    trainer.test(module, _loader())
+    assert module.read["test"] == 3
+    monkeypatch.delenv("TRAINKIT_MAX_STEPS")
+    trainer = tk.Trainer(**kwargs)
+    trainer.fit(Counted(), _loader(), _loader(), ckpt_path="last")
+    assert trainer.global_step == 20  # unset: the run's own limits
+    monkeypatch.setenv("TRAINKIT_MAX_STEPS", "two")
+    with pytest.raises(tk.errors.ConfigurationError, match="TRAINKIT_MAX_STEPS='two'.*positive integer"):
+        tk.Trainer(**kwargs).fit(Counted(), _loader())
