@@ -250,3 +250,21 @@ def test_trainkit_max_steps_caps_each_fit_from_where_it_starts(tmp_path, monkeyp
     monkeypatch.setenv("TRAINKIT_MAX_STEPS", "two")
     with pytest.raises(tk.errors.ConfigurationError, match="TRAINKIT_MAX_STEPS='two'.*positive integer"):
         tk.Trainer(**kwargs).fit(Counted(), _loader())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("args", "message"), [
+    (["--trainer.strategy", "parallel", "--trainer.strategy.tp", "2", "--model.n_head", "3", "--model.n_embd", "48"],
+     "Tensor parallelism gives each of the tp=2 ranks n_head/tp of model.blocks.0.attn's heads, but n_head=3 is not "
+     "divisible by 2: use a tp that divides it."),
+    (["--trainer.strategy", "pipeline", "--trainer.strategy.split", "[1, 1]"],
+     "pipeline split=[1, 1] must give each of the 2 chunks (stages x virtual_stages) at least one layer and add up "
+     "to the module's 4 pipeline_layers()."),
+], ids=["tp-heads", "pipeline-split"])
+def test_a_plan_or_split_the_model_cannot_take_is_one_error_block_from_rank_0(tmp_path, args, message):
+    """Found on every rank while the strategy cuts the model: said once, by rank 0, with no traceback per rank."""
+    proc = _run(["-m", "trainkit.cli", "fit", "--trainer.devices", "2", "--trainer.accelerator", "cpu",
+                 "--trainer.max_steps", "1", *args], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [f"trainkit: error: {message}",
+                                                "Run `trainkit fit --help` for the accepted options."], proc.stderr

@@ -43,6 +43,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from trainkit_strategies.comm import Comm, Handle
 from trainkit_strategies.context.ulysses import ulysses_attention
+from trainkit_strategies.errors import ConfigurationError
 
 METHODS = ("ring", "all_gather", "ulysses")
 
@@ -400,11 +401,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False, scale: f
     if cp is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, dropout_p=dropout_p)
     if dropout_p:
-        raise ValueError("Attention dropout is not supported under context parallelism (cp > 1): set the model's "
-                         "attention dropout to 0.")
+        raise ConfigurationError(
+            "Attention dropout is not supported under context parallelism (cp > 1): set the model's "
+            "attention dropout to 0.")
     if k.shape[1] != q.shape[1]:
-        raise ValueError(f"Under context parallelism attention takes as many key/value heads as query heads "
-                         f"({k.shape[1]} vs {q.shape[1]}): repeat them first (repeat_interleave on the head dim).")
+        raise ConfigurationError(
+            f"Under context parallelism attention takes as many key/value heads as query heads "
+            f"({k.shape[1]} vs {q.shape[1]}): repeat them first (repeat_interleave on the head dim).")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if cp.method == "ulysses":  # heads for sequence and back, by all-to-all (context/ulysses.py)
         return ulysses_attention(q, k, v, cp.comm, cp.members, is_causal, scale)

@@ -41,6 +41,7 @@ from trainkit_strategies.auxiliary import attached, collecting, with_auxiliary
 from trainkit_strategies.base import Strategy
 from trainkit_strategies.capabilities import RunsSchedule
 from trainkit_strategies.comm import Comm, Handle
+from trainkit_strategies.errors import ConfigurationError
 from trainkit_strategies.layout import AXES, Mesh
 from trainkit_strategies.memory import ActivationMeter
 from trainkit_strategies.pipeline.channels import Channel, links
@@ -64,10 +65,11 @@ STAGE_AXES = tuple(a for a in AXES if a != "pp")  # the ranks running one stage
 def check_schedule(schedule: str, data_parallel: str) -> None:
     """Fail, naming the fix, where ``schedule`` cannot run with the ``data_parallel`` engine in each stage."""
     if schedule == "zero_bubble" and not strategy_class(data_parallel).splits_backward:
-        raise ValueError(f"pipeline schedule 'zero_bubble' computes weight gradients in a second autograd pass, "
-                         f"after {data_parallel} has freed the gathered parameters and reduced the first; use "
-                         f"data_parallel 'ddp', 'zero1' or 'zero2' with it, or schedule '1f1b' or "
-                         f"'interleaved_1f1b' with {data_parallel}.")
+        raise ConfigurationError(
+            f"pipeline schedule 'zero_bubble' computes weight gradients in a second autograd pass, "
+            f"after {data_parallel} has freed the gathered parameters and reduced the first; use "
+            f"data_parallel 'ddp', 'zero1' or 'zero2' with it, or schedule '1f1b' or "
+            f"'interleaved_1f1b' with {data_parallel}.")
 
 
 class Pipeline(RunsSchedule):
@@ -90,12 +92,13 @@ class Pipeline(RunsSchedule):
     def __init__(self, microbatches: int = 4, schedule: str = "1f1b", virtual_stages: int = 1,
                  split: list[int] | None = None, measure_activations: bool = False) -> None:
         if microbatches < 1:
-            raise ValueError(f"pipeline microbatches must be >= 1; got {microbatches}.")
+            raise ConfigurationError(f"pipeline microbatches must be >= 1; got {microbatches}.")
         if schedule not in SCHEDULES:
-            raise ValueError(f"pipeline schedule must be one of {sorted(SCHEDULES)}; got {schedule!r}.")
+            raise ConfigurationError(f"pipeline schedule must be one of {sorted(SCHEDULES)}; got {schedule!r}.")
         if virtual_stages < 1 or (virtual_stages > 1 and schedule not in ("interleaved_1f1b", "gpipe")):
-            raise ValueError(f"pipeline virtual_stages={virtual_stages}: several model chunks per rank run under "
-                             f"schedule 'interleaved_1f1b' (or 'gpipe'), not {schedule!r}; use virtual_stages=1.")
+            raise ConfigurationError(
+                f"pipeline virtual_stages={virtual_stages}: several model chunks per rank run under "
+                f"schedule 'interleaved_1f1b' (or 'gpipe'), not {schedule!r}; use virtual_stages=1.")
         self.microbatches, self.schedule, self.virtual_stages = microbatches, schedule, virtual_stages
         self.split, self.measure_activations = split, measure_activations
         self.stages = 1
@@ -117,10 +120,12 @@ class Pipeline(RunsSchedule):
         self.around = around
         stages, v = mesh.layout.pp, self.virtual_stages
         if v > 1 and stages < 2:
-            raise ValueError(f"pipeline virtual_stages={v} interleaves chunks across ranks; it needs stages >= 2.")
+            raise ConfigurationError(
+                f"pipeline virtual_stages={v} interleaves chunks across ranks; it needs stages >= 2.")
         if self.schedule == "interleaved_1f1b" and self.microbatches % stages:
-            raise ValueError(f"pipeline schedule 'interleaved_1f1b' runs micro-batches in groups of stages={stages}: "
-                             f"set microbatches to a multiple of {stages} (got {self.microbatches}).")
+            raise ConfigurationError(
+                f"pipeline schedule 'interleaved_1f1b' runs micro-batches in groups of stages={stages}: "
+                f"set microbatches to a multiple of {stages} (got {self.microbatches}).")
         self.comm, self.device, self.stages = comm, device, stages
         self.stage = mesh.coords["pp"]
         self.pipe = mesh.comm("pp")

@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import nn
 
+from trainkit_strategies.errors import ConfigurationError
 from trainkit_strategies.pipeline.schedules import partition, rank_and_chunk
 
 
@@ -38,12 +39,13 @@ def cut(sizes: list[int], stages: int, virtual_stages: int, split: list[int] | N
     chunks = stages * virtual_stages
     if split is None:
         if len(sizes) < chunks:
-            raise ValueError(f"pipeline: {len(sizes)} pipeline_layers() cannot fill {stages} stages x "
-                             f"{virtual_stages} virtual stages = {chunks} chunks of at least one layer.")
+            raise ConfigurationError(f"pipeline: {len(sizes)} pipeline_layers() cannot fill {stages} stages x "
+                                     f"{virtual_stages} virtual stages = {chunks} chunks of at least one layer.")
         return partition(sizes, chunks)
     if len(split) != chunks or sum(split) != len(sizes) or min(split) < 1:
-        raise ValueError(f"pipeline split={split} must give each of the {chunks} chunks (stages x virtual_stages) at "
-                         f"least one layer and add up to the module's {len(sizes)} pipeline_layers().")
+        raise ConfigurationError(
+            f"pipeline split={split} must give each of the {chunks} chunks (stages x virtual_stages) at "
+            f"least one layer and add up to the module's {len(sizes)} pipeline_layers().")
     return list(split)
 
 
@@ -58,7 +60,7 @@ def owners(layers: Sequence[nn.Module], bounds: list[int], stages: int,
                 rank_of.setdefault(q, set()).add(rank_and_chunk(k, stages)[0])
     outside = [n for q, n in names.items() if q not in rank_of]
     if outside:
-        raise ValueError(
+        raise ConfigurationError(
             f"pipeline: parameters outside every layer of pipeline_layers() would never train: "
             f"{', '.join(outside[:5])}{' ...' if len(outside) > 5 else ''}. Include the modules holding them in "
             "pipeline_layers(), or freeze them (requires_grad=False) and keep them out of the optimizer."

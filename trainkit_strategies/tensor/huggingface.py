@@ -21,6 +21,7 @@ from typing import Any
 
 from torch import nn
 
+from trainkit_strategies.errors import ConfigurationError
 from trainkit_strategies.tensor.plan import (
     Colwise,
     Embedding,
@@ -66,7 +67,7 @@ def _ours(model: nn.Module, pattern: str, style: Any) -> Any:
     if not isinstance(style, str):
         return style  # a style object of ours (a known plan's)
     if style not in STYLE_NAMES:
-        raise ValueError(
+        raise ConfigurationError(
             f"{type(model).__name__}'s tensor-parallel plan gives {pattern!r} the style {style!r}, which trainkit does "
             f"not run (it runs {', '.join(STYLE_NAMES)}); write tensor_parallel_plan() on your module with trainkit's "
             "styles (docs/huggingface.md), or train without tp."

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trainkit_strategies.comm import Comm
+from trainkit_strategies.errors import ConfigurationError
 from trainkit_strategies.memory import partial_products
 from trainkit_strategies.tensor.loss import VocabShard
 from trainkit_strategies.tensor.regions import (
@@ -42,7 +43,7 @@ class Split:
         size = shape[self.dim]
         if size % (self.parts * self.ranks):
             what = f"{self.parts} blocks of {size // self.parts}" if self.parts > 1 else str(size)
-            raise ValueError(
+            raise ConfigurationError(
                 f"Tensor parallelism splits {name} (shape {tuple(shape)}) along dimension {self.dim} ({what}) over "
                 f"tp={self.ranks} ranks, which does not divide it: use a tp that divides it, or a size that tp "
                 f"divides (a vocabulary padded to a multiple of {self.ranks * 64}, say)."
@@ -146,8 +147,9 @@ class VocabParallelEmbedding(nn.Module):
         # gradient reaching it is this rank's slice only: summed across the group in backward
         self.split_after = split_after
         if embedding.max_norm is not None or embedding.sparse:
-            raise ValueError("A vocabulary-parallel embedding cannot renormalise rows (max_norm) or give sparse "
-                             "gradients; drop those options, or keep the embedding out of the tensor-parallel plan.")
+            raise ConfigurationError(
+                "A vocabulary-parallel embedding cannot renormalise rows (max_norm) or give sparse "
+                "gradients; drop those options, or keep the embedding out of the tensor-parallel plan.")
         self.weight = embedding.weight
         self.comm, self.sequence_parallel = comm, sequence_parallel
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from torch import Tensor, nn
 
 from trainkit_strategies.comm import Comm
+from trainkit_strategies.errors import ConfigurationError
 from trainkit_strategies.tensor.layers import ColumnParallelLinear, RowParallelLinear, Split, VocabParallelEmbedding
 from trainkit_strategies.tensor.regions import gather_seq, gather_whole, split_seq
 
@@ -90,8 +91,8 @@ def _split(name: str, param: Tensor | None, split: Split, comm: Comm, done: Appl
         return
     if param in done.splits:
         if done.splits[param] != split:
-            raise ValueError(f"tensor_parallel_plan: {name} is shared with a layer that splits it differently "
-                             f"({done.splits[param]} against {split}); give both layers the same style.")
+            raise ConfigurationError(f"tensor_parallel_plan: {name} is shared with a layer that splits it differently "
+                                     f"({done.splits[param]} against {split}); give both layers the same style.")
         return
     split.check(name, tuple(param.shape))
     param.data = split.local(param.data, comm.rank)
@@ -178,12 +179,13 @@ class Heads(Style):
     def apply(self, name: str, module: nn.Module, comm: Comm, sequence_parallel: bool, done: Applied) -> nn.Module:
         counts = self.counts(module)
         if not counts:
-            raise ValueError(f"tensor_parallel_plan: {name!r} is marked 'heads' but has no head-count attribute "
-                             "(n_head, num_heads, n_kv_heads, ...); name them: Heads(('my_heads',)).")
+            raise ConfigurationError(
+                f"tensor_parallel_plan: {name!r} is marked 'heads' but has no head-count attribute "
+                "(n_head, num_heads, n_kv_heads, ...); name them: Heads(('my_heads',)).")
         for attr in counts:
             value = getattr(module, attr)
             if value % comm.world_size:
-                raise ValueError(
+                raise ConfigurationError(
                     f"Tensor parallelism gives each of the tp={comm.world_size} ranks {attr}/tp of {name}'s heads, "
                     f"but {attr}={value} is not divisible by {comm.world_size}: use a tp that divides it."
                 )
@@ -279,23 +281,23 @@ def resolve(module: nn.Module, plan: Mapping[str, str | Style]) -> dict[str, Sty
         if isinstance(given, list | tuple):
             given = Together(tuple(STYLES.get(g, g) if isinstance(g, str) else g for g in given))
             if not all(isinstance(s, Style) for s in given.styles):
-                raise ValueError(f"tensor_parallel_plan: unknown style in {pattern!r}'s list; use "
-                                 f"{', '.join(STYLES)}, or style objects.")
+                raise ConfigurationError(f"tensor_parallel_plan: unknown style in {pattern!r}'s list; use "
+                                         f"{', '.join(STYLES)}, or style objects.")
         style = STYLES.get(given) if isinstance(given, str) else given
         if not isinstance(style, Style):
-            raise ValueError(f"tensor_parallel_plan: unknown style {given!r} for {pattern!r}; use one of "
-                             f"{', '.join(STYLES)}, or a style object (Colwise(parts=3)).")
+            raise ConfigurationError(f"tensor_parallel_plan: unknown style {given!r} for {pattern!r}; use one of "
+                                     f"{', '.join(STYLES)}, or a style object (Colwise(parts=3)).")
         regex = _pattern(pattern)
         matched = [n for n in names if regex.match(n)]
         if not matched:
             close = [n for n in names if n.rsplit(".", 1)[-1] == pattern.rsplit(".", 1)[-1]][:3]
             hint = f" (modules of that name: {', '.join(close)})" if close else ""
-            raise ValueError(f"tensor_parallel_plan: {pattern!r} matches no submodule of "
-                             f"{type(module).__name__}{hint}. Names are as in named_modules(); '*' stands for one "
-                             "component.")
+            raise ConfigurationError(
+                f"tensor_parallel_plan: {pattern!r} matches no submodule of {type(module).__name__}{hint}. Names are "
+                "as in named_modules(); '*' stands for one component.")
         for n in matched:
             if n in out and out[n] != style:
-                raise ValueError(f"tensor_parallel_plan: {n!r} is given two styles, {out[n]} and {style}.")
+                raise ConfigurationError(f"tensor_parallel_plan: {n!r} is given two styles, {out[n]} and {style}.")
             out[n] = style
     return out
 
@@ -341,7 +343,7 @@ def _check_heads(module: nn.Module, styled: dict[int, Style], name_of: dict[int,
         if counts:
             name = name_of.get(id(mod), type(mod).__name__)
             listed = ", ".join(f"{c}={getattr(mod, c)}" for c in counts)
-            raise ValueError(
+            raise ConfigurationError(
                 f"{name} splits its projections over the tensor-parallel ranks but holds "
                 f"{listed}: a forward that reshapes with it would give each rank's slice of the heads the whole "
                 f'model\'s count. Add "{_generic(name)}": "heads" to tensor_parallel_plan(): trainkit then divides the '
@@ -357,7 +359,7 @@ def _check_gathered(module: nn.Module, styled: dict[int, Style], name_of: dict[i
             continue
         if any(isinstance(styled.get(id(c)), Colwise) for c in mod.children()):
             name = name_of.get(id(mod), type(mod).__name__)
-            raise ValueError(
+            raise ConfigurationError(
                 f"{name} ({type(mod).__name__}, from transformers) reads the shape of its input, which under "
                 "sequence parallelism is a slice of the sequence: add "
                 f'"{_generic(name)}": "gather_sequence" to tensor_parallel_plan() (its input is then gathered '
@@ -375,7 +377,7 @@ def _check_shared(module: nn.Module, targets: dict[int, tuple[str, nn.Module]], 
         for pname, p in mod.named_parameters(recurse=False):
             if p in done.splits:
                 name = name_of.get(id(mod), type(mod).__name__)
-                raise ValueError(
+                raise ConfigurationError(
                     f"{name}.{pname} is shared with a layer tensor_parallel_plan() splits, but {name} is not in the "
                     f"plan, so it would compute with this rank's slice as if it were whole: add {_generic(name)!r} to "
                     "the plan (an nn.Embedding tied to the head: 'embedding')."
