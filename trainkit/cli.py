@@ -309,5 +309,12 @@ def _save_config(trainer: Trainer, parser: ArgumentParser, cfg: Namespace) -> No
         (log_dir / "config.yaml").write_text(parser.dump(cfg, skip_unset=False, skip_validation=True))
 
 
-if __name__ == "__main__":
+def command() -> None:
+    """The ``trainkit`` command (and ``python -m trainkit.cli``): ``main()`` on the command line, then a quick exit
+    (``launcher.leave``). A script built on ``main`` returns from it as usual, so its own code may go on."""
     main()
+    launcher.leave()
+
+
+if __name__ == "__main__":
+    command()

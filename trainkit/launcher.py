@@ -12,11 +12,13 @@ Three ways a run gets its ranks:
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import socket
 import subprocess
 import sys
 import threading
+from typing import NoReturn
 
 import torch
 
@@ -190,3 +192,18 @@ def connect(accelerator: str, devices: int, num_nodes: int, timeout_s: float, pe
         )
     return env
 
+
+def leave() -> NoReturn:
+    """Ends the ``trainkit`` command once its run is over and the run's objects are gone: unreachable objects are
+    collected (their files closed), threads still working joined, the exit handlers run (the process group's
+    teardown, the launched ranks waited on) and the streams flushed; then the process exits without the
+    interpreter's teardown of every module, which takes half a second with torch loaded, on every rank, and rank 0
+    waits out each launched rank's."""
+    gc.collect()
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

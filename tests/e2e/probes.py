@@ -55,3 +55,26 @@ class BatchProbe(Callback):
 
     def on_train_end(self, trainer: Any, module: Any) -> None:
         Path(f"{self.path}.rank{trainer.global_rank}.json").write_text(json.dumps(self.sums))
+
+
+class LateWriters(Callback):
+    """At the end of training, on each rank, starts a thread that writes ``<path>.thread.<rank>`` half a second later
+    and registers an exit handler that writes ``<path>.atexit.<rank>``: work a user's code leaves to the end of the
+    process, which the command's quick exit must still let finish."""
+
+    def __init__(self, path: str = "late") -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: Any, module: Any) -> None:
+        import atexit
+        import threading
+        import time
+
+        rank, step = trainer.global_rank, trainer.global_step
+
+        def later() -> None:
+            time.sleep(0.5)
+            Path(f"{self.path}.thread.{rank}").write_text(f"step {step}")
+
+        threading.Thread(target=later).start()
+        atexit.register(lambda: Path(f"{self.path}.atexit.{rank}").write_text(f"step {step}"))

@@ -105,3 +105,32 @@ def test_a_bad_argument_prints_the_error_and_its_fix_once_without_the_usage(tmp_
         assert proc.returncode == 2
         lines = proc.stderr.strip().splitlines()
         assert lines == [message, "Run `trainkit fit --help` for the accepted options."], proc.stderr
+
+
+@pytest.mark.slow
+def test_the_command_exits_quickly_but_lets_the_run_s_last_work_finish(tmp_path):
+    """`trainkit` leaves without the interpreter's module teardown (half a second a rank), yet a thread still writing
+    and the exit handlers (a user's, the process group's) finish first, on every rank; checkpoints and events are
+    complete."""
+    import os
+    import subprocess
+    import sys
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.e2e.cli_runs import ROOT
+    from trainkit.checkpoint import CheckpointReader, latest
+
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainkit.cli", "fit", "--trainer.devices", "2", "--trainer.accelerator", "cpu",
+         "--trainer.strategy", "ddp", *SMALL_DEMO, "--trainer.callbacks+=tests.e2e.probes.LateWriters"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert (tmp_path / f"late.thread.{rank}").read_text() == "step 20"
+        assert (tmp_path / f"late.atexit.{rank}").read_text() == "step 20"
+    assert CheckpointReader(latest(tmp_path / "checkpoints")).meta["loop"]["global_step"] == 20
+    events = EventAccumulator(str(next((tmp_path / "runs").rglob("events.out.*")).parent))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train_loss")][-1] == 20

@@ -248,7 +248,7 @@ def test_trainkit_max_steps_caps_each_fit_from_where_it_starts(tmp_path, monkeyp
     trainer.fit(Counted(), _loader(), _loader(), ckpt_path="last")
     assert trainer.global_step == 20  # unset: the run's own limits
     monkeypatch.setenv("TRAINKIT_MAX_STEPS", "two")
-    with pytest.raises(tk.errors.ConfigurationError, match="TRAINKIT_MAX_STEPS='two'.*positive integer"):
+    with pytest.raises(tk.errors.ConfigurationError, match=r"TRAINKIT_MAX_STEPS='two'.*positive integer"):
         tk.Trainer(**kwargs).fit(Counted(), _loader())
 
 
