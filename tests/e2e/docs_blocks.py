@@ -57,7 +57,7 @@ def _commands(body: str, first: int) -> list[tuple[int, str]]:
         start, text = i, lines[i]
         while (text.rstrip().endswith("\\") or _open_quote(text)) and i + 1 < len(lines):
             i += 1
-            text = text.rstrip().removesuffix("\\") + " " + lines[i].strip()
+            text = text.rstrip().removesuffix("\\").rstrip() + " " + lines[i].strip()
         i += 1
         if text.strip() and not text.lstrip().startswith("#"):
             out.append((first + start, text.strip()))
@@ -173,7 +173,7 @@ def all_items() -> list[Item]:
 def output_pattern(expected: str) -> list[re.Pattern[str]]:
     """One pattern per expected line: whitespace runs match any whitespace, numbers any number (figures and
     counts change with the machine and with the capped steps; the words and their order may not)."""
-    number = r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?"
+    number = r"(?<![A-Za-z0-9_.])[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?"  # not the digits of a name (zero2, tp8)
     patterns = []
     for line in expected.strip().split("\n"):
         line = line.strip()

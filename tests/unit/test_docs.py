@@ -41,3 +41,24 @@ def test_every_source_file_the_documents_name_exists():
             if name not in OUTSIDE and not any(r == name or r.endswith("/" + name) for r in tracked):
                 missing.append(f"{page.relative_to(ROOT)}: {name}")
     assert not missing, missing
+
+
+def test_the_docs_test_reads_commands_markers_and_outputs_as_a_reader_does(tmp_path):
+    """tests/e2e/test_docs_run.py's reading of a page: a command continued with backslashes or inside a quotation is
+    one command, a marker skips its block with its reason, an output block binds to the command above it, and an
+    output's numbers are free while its words are not."""
+    from tests.e2e.docs_blocks import items, output_pattern
+
+    page = tmp_path / "page.md"
+    page.write_text("```bash\ntrainkit fit --a 1 \\\n  --b '{\"x\": 1,\n  \"y\": 2}'  # note\n# a comment\n"
+                    "trainkit fit --trainer.devices 8\n```\n\n<!-- docs-test: output -->\n```\nloss 2.5 nats\n```\n"
+                    "<!-- docs-test: skip a signature -->\n```python\nf(x, y=1)\n```\n```\n$ trainkit estimate\n"
+                    "zero2 20.19 MB\n```\n")
+    got = items(page)
+    assert [(i.kind, i.line, i.skip) for i in got] == [
+        ("shell", 2, None), ("shell", 6, "starts 8 processes (more than 4; the 2 cores here time out)"),
+        ("python", 15, "a signature"), ("shell", 18, None)]
+    assert got[0].text == 'trainkit fit --a 1 --b \'{"x": 1, "y": 2}\'  # note' and got[1].expect == "loss 2.5 nats"
+    [pattern] = output_pattern(got[3].expect)
+    assert pattern.search("zero2   9.50 MB")
+    assert not pattern.search("zero1 9.50 MB") and not pattern.search("zero2 9 KB")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from tests.e2e.docs_blocks import items, output_pattern
 from tests.helpers import Regression, loader, regression_data
 from trainkit.demo.gpt import DemoGPT
 from trainkit.estimate import AUTO_ORDER, choose, estimate, human, parse_bytes
@@ -125,10 +127,7 @@ def test_sizes_parse():
         parse_bytes("80 gigs")
 
 
-SEVEN_B = ["estimate", "--model.vocab_size", "50304", "--model.block_size", "2048", "--model.n_layer", "36",
-           "--model.n_head", "32", "--model.n_embd", "4096", "--data", "trainkit.demo.markov.MarkovData",
-           "--data.seq_len", "2048", "--data.batch_size", "1", "--data.train_sequences", "4",
-           "--devices_per_node", "8", "--nodes", "8", "--trainer.precision", "bf16-mixed", "--device_memory", "80GB"]
+SEVEN_B = next(item for item in items(ROOT / "docs" / "planning.md") if "--model.n_embd 4096" in item.text)
 
 
 @pytest.mark.slow
@@ -138,9 +137,11 @@ def test_estimate_of_a_7_5b_model_at_64_ranks_agrees_with_the_zero_paper(capsys)
     (backward fills one while the other is reduce-scattered)."""
     from trainkit.cli import main
 
-    main(args=SEVEN_B)
+    main(args=shlex.split(SEVEN_B.text)[1:])  # planning.md's command, whose table the page shows
     out = capsys.readouterr().out
     print(out)
+    missing = [p.pattern for p in output_pattern(SEVEN_B.expect) if not p.search(out)]
+    assert not missing, f"planning.md's table (its words; figures are checked below) differs: {missing}"
     psi = float(out.split("B parameters")[0]) * 1e9
     n, bucket = 64, 50304 * 4096 * 2
     rows = {line.split()[0]: float(line.split()[1]) * 1e9 for line in out.splitlines()[2:] if line.split()[2] == "GB"}
