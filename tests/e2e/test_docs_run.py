@@ -201,7 +201,7 @@ def test_every_block_is_run_or_says_why_not():
     runnable = [i for i in ITEMS if i.kind != "output" and not i.skip]
     skipped = [i for i in ITEMS if i.kind != "output" and i.skip]
     outputs = [i for i in ITEMS if i.kind == "output"]
-    checked = [i for i in ITEMS if i.expect is not None]
+    checked = [i for i in runnable if i.expect is not None]
     reasons: dict[str, int] = {}
     for i in skipped:
         reasons[i.skip] = reasons.get(i.skip, 0) + 1
