@@ -72,7 +72,7 @@ def _abort_communicators(verdict: str) -> None:
 def _destroy_at_exit() -> None:
     if _heartbeat is not None:
         _heartbeat.finish()
-    if dist.is_initialized():
+    if dist.is_initialized() and peer_failure() is None:  # a frozen peer's collective would hold the teardown
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
         # A gloo worker thread frees a finished collective's tensors after it has woken the waiting thread;
