@@ -25,7 +25,7 @@ def show_progress(enabled: bool) -> None:
 def tracked(items: Iterable[T], description: str, total: int | None = None,
             label: Callable[[T], str] | None = None) -> Iterator[T] | Iterable[T]:
     """``items``, with a bar naming ``description`` (and ``label(item)``, the item in hand) once iterating them has
-    taken a second. The bar's clock ticks every second, so an item that takes long is not a silence."""
+    taken a second. The bar's clock ticks every half second, so an item that takes long is not a silence."""
     if not _state["enabled"]:
         return items
     return _tracked(items, description, total if total is not None else _length(items), label)
