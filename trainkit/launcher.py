@@ -195,14 +195,18 @@ def connect(accelerator: str, devices: int, num_nodes: int, timeout_s: float, pe
 
 def leave() -> NoReturn:
     """Ends the ``trainkit`` command once its run is over and the run's objects are gone: unreachable objects are
-    collected (their files closed), threads still working joined, the exit handlers run (the process group's
-    teardown, the launched ranks waited on) and the streams flushed; then the process exits without the
-    interpreter's teardown of every module, which takes half a second with torch loaded, on every rank, and rank 0
-    waits out each launched rank's."""
+    collected (their files closed), idle thread pools (torch.compile's) told to stop, threads still working joined,
+    the exit handlers run (the process group's teardown, the launched ranks waited on) and the streams flushed; then
+    the process exits without the interpreter's teardown of every module, which takes half a second with torch
+    loaded, on every rank, and rank 0 waits out each launched rank's."""
     gc.collect()
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:  # what the interpreter does first: tell idle thread pools to stop, join live threads
+        shutdown()
+    else:  # pragma: no cover - every CPython we support has it
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

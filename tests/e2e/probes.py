@@ -57,10 +57,14 @@ class BatchProbe(Callback):
         Path(f"{self.path}.rank{trainer.global_rank}.json").write_text(json.dumps(self.sums))
 
 
+_POOLS: list = []
+
+
 class LateWriters(Callback):
     """At the end of training, on each rank, starts a thread that writes ``<path>.thread.<rank>`` half a second later
     and registers an exit handler that writes ``<path>.atexit.<rank>``: work a user's code leaves to the end of the
-    process, which the command's quick exit must still let finish."""
+    process, which the command's quick exit must still let finish. It also leaves a thread pool open with an idle
+    worker, as torch.compile does: the exit must tell it to stop, not wait on it forever."""
 
     def __init__(self, path: str = "late") -> None:
         self.path = path
@@ -69,6 +73,7 @@ class LateWriters(Callback):
         import atexit
         import threading
         import time
+        from concurrent.futures import ThreadPoolExecutor
 
         rank, step = trainer.global_rank, trainer.global_step
 
@@ -77,4 +82,6 @@ class LateWriters(Callback):
             Path(f"{self.path}.thread.{rank}").write_text(f"step {step}")
 
         threading.Thread(target=later).start()
+        _POOLS.append(ThreadPoolExecutor(max_workers=1))  # kept, as torch.compile keeps its pool in a global
+        _POOLS[-1].submit(int).result()
         atexit.register(lambda: Path(f"{self.path}.atexit.{rank}").write_text(f"step {step}"))
