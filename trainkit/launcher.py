@@ -26,7 +26,8 @@ from trainkit_strategies import Environment
 
 _children: list[subprocess.Popen] = []
 _grace_s = 60.0
-FAILED_GRACE_S = 15.0
+FAILED_GRACE_S = 5.0  # a peer of a failed run is stuck, or sees the failure within a second or two
+_term_s = 10.0  # from SIGTERM to SIGKILL
 _joined = threading.Event()  # set once this process has joined the process group
 
 
@@ -134,10 +135,12 @@ def _launch(devices: int, timeout_s: float) -> None:
 
 
 def failed() -> None:
-    """This rank's run failed (a peer died, say): launched ranks still running 15 s after it finishes are
-    stuck on the same failure, not slow, so they are stopped then instead of after ``timeout_s + 30``."""
-    global _grace_s
+    """This rank's run failed (a peer died, say): launched ranks still running 5 s after it finishes are stuck on
+    the same failure, not slow (a rank waiting on this one fails as soon as its connections close), so they are
+    stopped then, 5 s after SIGTERM at the latest, instead of after ``timeout_s + 30``."""
+    global _grace_s, _term_s
     _grace_s = min(_grace_s, FAILED_GRACE_S)
+    _term_s = min(_term_s, FAILED_GRACE_S)
 
 
 def wait_children() -> int:
@@ -159,7 +162,7 @@ def wait_children() -> int:
         except subprocess.TimeoutExpired:
             child.terminate()
             try:
-                rc = child.wait(timeout=10)
+                rc = child.wait(timeout=_term_s)
             except subprocess.TimeoutExpired:
                 child.kill()
                 rc = child.wait()
