@@ -39,3 +39,12 @@ class DiesAtStep(DemoGPT):
             else:
                 time.sleep(3600)
         return super().training_step(batch, batch_idx)
+
+
+class BrokenModel(DemoGPT):
+    """A bug in the user's own code while the model is built (a ValueError, not a configuration error): every rank
+    raises it in ``configure_model``."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        raise ValueError("a bug in the user's model")

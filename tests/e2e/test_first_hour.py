@@ -268,3 +268,17 @@ def test_a_plan_or_split_the_model_cannot_take_is_one_error_block_from_rank_0(tm
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [f"trainkit: error: {message}",
                                                 "Run `trainkit fit --help` for the accepted options."], proc.stderr
+
+
+@pytest.mark.slow
+def test_a_bug_in_the_user_s_setup_code_keeps_each_rank_s_traceback(tmp_path):
+    """Only errors typed as configuration errors are one block: a plain ValueError raised while the strategy sets the
+    model up (here the user's configure_model) is a bug to debug, shown with the traceback of every rank."""
+    proc = _run(["-m", "trainkit.cli", "fit", "--trainer.devices", "2", "--trainer.accelerator", "cpu",
+                 "--trainer.strategy", "ddp", "--trainer.max_steps", "1", "--model", "tests.e2e.faulty.BrokenModel",
+                 "--data", "trainkit.demo.markov.MarkovData"], tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"[rank{rank}]: Traceback (most recent call last):" in proc.stderr, proc.stderr[-3000:]
+        assert f"[rank{rank}]: ValueError: a bug in the user's model" in proc.stderr
+    assert "trainkit: error:" not in proc.stderr
