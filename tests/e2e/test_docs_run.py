@@ -67,7 +67,9 @@ class Page:
     answers: int = -1
 
     def env(self) -> dict[str, str]:
+        # torch.compile's cache starts empty, as on a new user's machine and in CI (a warm one hid a hang at exit)
         return {**os.environ, "TRAINKIT_MAX_STEPS": STEPS, "PYTHONPATH": str(self.workdir),
+                "TORCHINDUCTOR_CACHE_DIR": str(self.workdir / ".torchinductor"),
                 "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
 
     def shell(self, item: Item) -> tuple[bool, str]:

@@ -200,6 +200,44 @@ def test_an_item_that_takes_long_is_not_a_silence(monkeypatch):
     assert any("zero2" in text for _, text in writes) and any("fsdp" in text for _, text in writes)
 
 
+class SlowValidation(Regressor):
+    """Each validation batch takes 1.5 s: the sanity check before the first step (4 batches, 6 s) stands in for
+    torch.compile's compiling there (6 s for the demo GPT on this machine, with an empty cache)."""
+
+    def validation_step(self, batch, batch_idx):
+        import time
+
+        time.sleep(1.5)
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y))
+
+
+@pytest.mark.slow
+def test_the_training_bar_is_not_silent_while_a_step_or_the_sanity_check_takes_long(tmp_path, monkeypatch):
+    """The bar appears when fit starts, before the sanity check, and redraws itself (its elapsed time moving) every
+    2 s while nothing else moves it; it said nothing for the whole sanity check before."""
+    import io
+    import itertools
+    import time
+
+    writes: list[float] = []
+
+    class Clocked(io.StringIO):
+        def write(self, text: str) -> int:
+            if text.strip():
+                writes.append(time.monotonic())
+            return len(text)
+
+    monkeypatch.setattr(sys, "stderr", Clocked())
+    trainer = tk.Trainer(max_steps=1, num_sanity_val_steps=4, logger=False,
+                         enable_checkpointing=False, default_root_dir=tmp_path)
+    start = time.monotonic()
+    trainer.fit(SlowValidation(), _loader(), _loader())
+    times = [start, *writes, time.monotonic()]
+    assert times[-1] - start > 6.0  # 1.5 s for each of the sanity check's 4 batches
+    assert max(b - a for a, b in itertools.pairwise(times)) < 2.8, [round(t - start, 1) for t in times]
+
+
 @pytest.mark.slow
 def test_a_layout_the_model_cannot_divide_into_is_one_error_block_from_rank_0(tmp_path):
     """Found while the strategy cuts the model (after the ranks have started): 3 experts over ep=2."""

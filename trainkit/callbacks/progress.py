@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -13,16 +14,23 @@ if TYPE_CHECKING:
     from trainkit.trainer import Trainer
 
 
+QUIET_S = 2.0  # a bar silent this long redraws itself: its clock moves while a step or a validation takes long
+
+
 class ProgressBar(Callback):
-    """Counts optimizer steps. Metrics are read (``.item()``) at most every ``refresh_s`` seconds."""
+    """Counts optimizer steps. Metrics are read (``.item()``) at most every ``refresh_s`` seconds. While one step
+    takes long (the sanity check's validation and the first step under ``compile=True`` compile the model; a large
+    model's step; a validation pass), the bar, shown from the start of ``fit``, redraws itself every ``QUIET_S``
+    seconds, its elapsed time moving, so a long step is not a silence."""
 
     def __init__(self, refresh_s: float = 0.5) -> None:
         self.refresh_s = refresh_s
         self._bar: Any = None
+        self._stop = threading.Event()
         self._shown_step, self._epoch = 0, 0
         self._next_refresh = 0.0
 
-    def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
+    def on_fit_start(self, trainer: Trainer, module: TrainModule) -> None:  # before the sanity check's validation
         if not trainer.is_global_zero:
             return
         from tqdm.auto import tqdm
@@ -39,7 +47,20 @@ class ProgressBar(Callback):
         total = trainer.estimated_steps(batches)
         self._bar = tqdm(total=None if math.isinf(total) else int(total), initial=trainer.global_step,
                          unit="step", dynamic_ncols=True, leave=True)
+        if trainer.compile:
+            self._bar.set_postfix_str("compiling the model: the first steps take longer", refresh=False)
         self._shown_step, self._epoch = trainer.global_step, trainer.current_epoch
+        self._stop = threading.Event()
+        threading.Thread(target=self._keep_alive, args=(self._bar, self._stop), name="trainkit-progress",
+                         daemon=True).start()
+
+    @staticmethod
+    def _keep_alive(bar: Any, stop: threading.Event) -> None:
+        redrawn = 0.0
+        while not stop.wait(0.5):
+            if time.time() - max(bar.last_print_t, redrawn) >= QUIET_S:  # tqdm's own prints set last_print_t
+                redrawn = time.time()
+                bar.refresh()  # under the bar's lock; a closed bar ignores it
 
     def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -64,10 +85,13 @@ class ProgressBar(Callback):
     def on_train_end(self, trainer: Trainer, module: TrainModule) -> None:
         if self._bar is not None:
             self._refresh(trainer)
-            self._bar.close()
-            self._bar = None
+            self._close()
 
     def on_exception(self, trainer: Trainer, module: TrainModule, exception: BaseException) -> None:
         if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+            self._close()
+
+    def _close(self) -> None:
+        self._stop.set()
+        self._bar.close()
+        self._bar = None
