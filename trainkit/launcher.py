@@ -203,13 +203,7 @@ def leave() -> NoReturn:
     the process exits without the interpreter's teardown of every module, which takes half a second with torch
     loaded, on every rank, and rank 0 waits out each launched rank's."""
     gc.collect()
-    shutdown = getattr(threading, "_shutdown", None)
-    if shutdown is not None:  # what the interpreter does first: tell idle thread pools to stop, join live threads
-        shutdown()
-    else:  # pragma: no cover - every CPython we support has it
-        for thread in threading.enumerate():
-            if thread is not threading.current_thread() and not thread.daemon:
-                thread.join()
+    threading._shutdown()  # what the interpreter does first (3.10+): tell idle thread pools to stop, join the rest
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
