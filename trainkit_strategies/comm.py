@@ -331,14 +331,20 @@ class Comm:
         return handle
 
     def _exchange(self, send: Tensor, recv: Tensor, tag: int, distance: int = 1) -> list[Any]:
-        """Post a send to the rank ``distance`` ahead and a receive from the one ``distance`` behind (one ring
+        """Post a receive from the rank ``distance`` behind and a send to the one ``distance`` ahead (one ring
         round at distance 1), each as messages of at most ``MESSAGE_BYTES`` under tags of their own (a receive is cut
-        as its sender cuts the same bytes; empty ones are not posted)."""
+        as its sender cuts the same bytes; empty ones are not posted).
+
+        Receives go first. gloo's TCP transport sends a message only once its receiver has announced the receive,
+        and the announcement travels on the connection that carries this rank's own outgoing messages, queued behind
+        them: posted after the sends, the announcements would wait behind the whole of this rank's payload whenever
+        the peer was ready first, and the two directions of the link would run one after the other (1.55x the
+        exchange's time at 1 Gb/s, ``benchmarks/link.py``) instead of at once."""
         ahead = self.ranks[(self.rank + distance) % self.world_size]
         behind = self.ranks[(self.rank - distance) % self.world_size]
         base = (tag % (1 << 22)) * _TAG_PIECES
-        ops = [dist.P2POp(dist.isend, piece, ahead, self.group, base + i) for i, piece in enumerate(_pieces(send))]
-        ops += [dist.P2POp(dist.irecv, piece, behind, self.group, base + i) for i, piece in enumerate(_pieces(recv))]
+        ops = [dist.P2POp(dist.irecv, piece, behind, self.group, base + i) for i, piece in enumerate(_pieces(recv))]
+        ops += [dist.P2POp(dist.isend, piece, ahead, self.group, base + i) for i, piece in enumerate(_pieces(send))]
         return dist.batch_isend_irecv(ops) if ops else []
 
     def _ring_reduce_scatter(self, output: Tensor, input: Tensor) -> Iterator[list[Any]]:
@@ -413,7 +419,7 @@ class Comm:
 
     def shift(self, send: Tensor, recv: Tensor, ring: list[int] | None = None) -> Handle:
         """One hop of a ring, asynchronously: ``send`` goes to the next rank of the ring and ``recv`` receives the
-        previous rank's (the send and the receive posted together, as one batch, as NCCL needs). ``ring``: group
+        previous rank's (the receive and the send posted together, as one batch, as NCCL needs). ``ring``: group
         ranks in ring order, this one among them (default: the whole group), so a ring over some of the group's
         ranks shares its communicator (and its order) with the group's collectives. Counted as a send of ``send``."""
         members = list(range(self.world_size)) if ring is None else ring
@@ -424,8 +430,8 @@ class Comm:
         self._tag += 1
         at = members.index(self.rank)
         ahead, behind = self.ranks[members[(at + 1) % len(members)]], self.ranks[members[(at - 1) % len(members)]]
-        ops = [dist.P2POp(dist.isend, send, ahead, self.group, self._tag),
-               dist.P2POp(dist.irecv, recv, behind, self.group, self._tag)]
+        ops = [dist.P2POp(dist.irecv, recv, behind, self.group, self._tag),  # receive first: see ``_exchange``
+               dist.P2POp(dist.isend, send, ahead, self.group, self._tag)]
         return Handle(self._guard(dist.batch_isend_irecv, ops), self)
 
     def send(self, tensor: Tensor, dst: int, tag: int = 0) -> Handle:
