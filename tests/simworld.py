@@ -162,6 +162,7 @@ class _Op:
 class _Collective:
     name: str
     signature: tuple
+    key: tuple  # (group, sequence number)
     entries: dict[int, Any] = field(default_factory=dict)
     result: Any = None
     ready: threading.Event = field(default_factory=threading.Event)
@@ -204,9 +205,10 @@ class SimWorld:
     DistError = dist.DistError
     P2POp = P2POp
 
-    def __init__(self, world_size: int, timeout_s: float = 60.0, device: torch.device = META) -> None:
-        self.world_size, self.timeout_s, self.device = world_size, timeout_s, device
-        self.default = Group(0, list(range(world_size)), "nccl", device)
+    def __init__(self, world_size: int, timeout_s: float = 60.0, device: torch.device = META,
+                 backend: str = "nccl") -> None:
+        self.world_size, self.timeout_s, self.device, self.backend = world_size, timeout_s, device, backend
+        self.default = Group(0, list(range(world_size)), backend, device)
         self.rules: dict[int, DeviceRules] = {}
         self._lock = threading.Condition()
         self._batch = threading.local()  # .id: the batch_isend_irecv a rank's thread is posting
@@ -283,6 +285,8 @@ class SimWorld:
             except BaseException as err:  # reported below, with its rank
                 errors[rank] = err
                 self._abort()
+            finally:
+                self._finished(rank)
 
         with self.installed():
             threads = [threading.Thread(target=body, args=(r,), name=f"sim-rank{r}", daemon=True)
@@ -299,6 +303,9 @@ class SimWorld:
             first = min(errors, key=lambda r: isinstance(errors[r], _Aborted))
             raise errors[first]
         return results
+
+    def _finished(self, rank: int) -> None:
+        """``rank``'s function returned or raised."""
 
     def _abort(self) -> None:
         self._aborted.set()
@@ -333,11 +340,11 @@ class SimWorld:
         with self._lock:
             index = self._created[self.rank]
             self._created[self.rank] += 1
+            kind = backend or self.backend
             if index == len(self._groups):
-                kind = backend or "nccl"
-                self._groups.append(Group(index + 1, list(ranks), kind, self.device if kind == "nccl" else CPU))
+                self._groups.append(Group(index + 1, list(ranks), kind, self.device if kind == self.backend else CPU))
             group = self._groups[index]
-            if group.ranks != list(ranks) or group.backend != (backend or "nccl"):
+            if group.ranks != list(ranks) or group.backend != kind:
                 raise RuleViolation(f"rank {self.rank} created its group #{index} over {list(ranks)} ({backend}), but "
                                     f"another rank created it over {group.ranks} ({group.backend}): every rank must "
                                     "create every group in the same order")
@@ -380,7 +387,7 @@ class SimWorld:
             key = (self.rank, group.index)
             seq = self._calls[key]
             self._calls[key] += 1
-            slot = self._collectives.setdefault((group.index, seq), _Collective(name, signature))
+            slot = self._collectives.setdefault((group.index, seq), _Collective(name, signature, (group.index, seq)))
             if (slot.name, slot.signature) != (name, signature):
                 raise RuleViolation(f"collective #{seq} of group {group.ranks}: rank {self.rank} issued {name} "
                                     f"{signature}, another rank {slot.name} {slot.signature}")
@@ -388,7 +395,7 @@ class SimWorld:
             if len(slot.entries) == len(group.ranks):
                 with _disable_current_modes():  # the last rank to arrive computes for all: as one opaque c10d op,
                     slot.result = compute(slot.entries)  # unseen by its dispatch modes (selective checkpointing's)
-                slot.ready.set()
+                self._deliver(slot, group, tensors)
                 self._lock.notify_all()
         done = self._track(group, peers, name)
 
@@ -401,6 +408,11 @@ class SimWorld:
             return work
         work.wait()
         return None
+
+    def _deliver(self, slot: _Collective, group: Group, tensors: tuple[torch.Tensor, ...]) -> None:
+        """Every rank has issued the collective of ``slot`` (on ``group``, the last one with ``tensors``): its result
+        is there at once (called with the world's lock held)."""
+        slot.ready.set()
 
     @staticmethod
     def _clone(t: torch.Tensor) -> torch.Tensor:

@@ -171,12 +171,13 @@ class BucketReducer:
 
     ``fill`` moves a complete bucket's gradients out of ``.grad`` (freeing them) into a buffer; ``buffers``
     buffers are reused in turn, so a fill waits only for the reduce-scatter that last used its buffer (ZeRO §5.2's
-    "constant buffer"; two of them, as DeepSpeed's ``overlap_comm``, let backward fill the next bucket while the
-    last one is still on the wire). ``reduce`` writes straight into the shard, or, on an accumulation micro-step
-    after the first, beside it and adds at ``finish``.
+    "constant buffer"). Two of them, as DeepSpeed's ``overlap_comm``, let backward fill the next bucket and put it
+    on the wire while the last one is still there: with one, every bucket would wait for its predecessor's whole
+    reduce-scatter (``tests/unit/test_overlap.py``). ``reduce`` writes straight into the shard, or, on an
+    accumulation micro-step after the first, beside it and adds at ``finish``.
     """
 
-    def __init__(self, comm: Comm, dtype: torch.dtype, device: torch.device, size: int, buffers: int = 1) -> None:
+    def __init__(self, comm: Comm, dtype: torch.dtype, device: torch.device, size: int, buffers: int = 2) -> None:
         self.comm, self.dtype, self.device, self.size = comm, dtype, device, size
         self.depth = buffers
         self.buffers: list[Tensor] = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -36,8 +36,6 @@ class Group:
 
 class GradientLayout(ABC):
     """Where a ZeRO stage keeps a rank's gradients, and when it reduce-scatters them."""
-
-    reduce_buffers: ClassVar[int] = 1  # bucket buffers the reducer takes in turn (``BucketReducer``)
 
     def __init__(self, strategy: ZeroStrategy) -> None:
         self.strategy = strategy
@@ -142,8 +140,6 @@ class PartitionedGradients(GradientLayout):
     for one bucket at a time (moved out of ``.grad`` into one of the reducer's two buffers, taken in turn, so
     backward fills the next bucket while the last one is still on the wire)."""
 
-    reduce_buffers = 2
-
     def __init__(self, strategy: ZeroStrategy) -> None:
         super().__init__(strategy)
         self._first_micro_step = True
@@ -205,8 +201,6 @@ class OffloadedGradients(PartitionedGradients):
     The first micro-step of a window writes the partition rather than adding to it, so ``zero`` touches no host
     memory: every bucket is written by every window's first backward (or by the flush that follows it).
     """
-
-    reduce_buffers = 1  # the device holds one gradient bucket in flight: offload is for models that barely fit
 
     def __init__(self, strategy: ZeroStrategy) -> None:
         super().__init__(strategy)

@@ -135,8 +135,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         self.comm.broadcast_coalesced([p for p in module.parameters() if p not in bucketed] + list(module.buffers()))
         self._bucket_of = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.launcher = OrderedLauncher([len(b.params) for b in self.buckets], self._launch)
-        self.reducer = BucketReducer(self.comm, self.grad_dtype, self.device, max(b.padded for b in self.buckets),
-                                     buffers=self.grads.reduce_buffers)
+        self.reducer = BucketReducer(self.comm, self.grad_dtype, self.device, max(b.padded for b in self.buckets))
         self._master.retarget(optimizer)
         self._arm()
         self._signs = (SignReduceScatter(optimizer.error_feedback, getattr(optimizer, "workspace", None))

@@ -11,8 +11,9 @@ in the compute dtype, and its gradient shard. The lifecycle of a unit in one ste
    next unit's all-gather asynchronously (the order is recorded on the first step);
 2. forward hook: free the gathered parameters (``reshard_after_forward``; off keeps them, ZeRO-2-like);
 3. backward pre-hook: all-gather again, prefetch the next unit in backward order;
-4. when every parameter of the unit has its gradient: copy the gradients into the bucket buffer,
-   reduce-scatter into the rank's gradient shard (accumulating across micro-steps), free the unit.
+4. when every parameter of the unit has its gradient: copy the gradients into one of two bucket buffers
+   (taken in turn: the next unit's reduce-scatter starts while this one is still on the wire), reduce-scatter
+   into the rank's gradient shard (accumulating across micro-steps), free the unit.
 
 Parameters outside every unit form the *root* unit, gathered from the start of the step's forward to
 the end of its backward. Communication per step: Ψ gathered twice and Ψ reduce-scattered (§7: 3Ψ).
