@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import strategies
+import targets
 from strategies import (
     PipelinedMLP,
     Step,
@@ -122,7 +123,7 @@ def variants_2x1(env: Environment, shape: tuple[int, int, int], x: torch.Tensor,
                  ) -> dict[str, Variant]:
     v: dict[str, Variant] = {
         "torch DDP": Variant(torch_ddp_variant(shape, x)),
-        "torch FSDP2 (per block)": Variant(torch_fsdp2_variant(shape, x)),
+        targets.LINK_FSDP2: Variant(torch_fsdp2_variant(shape, x)),
     }
     for name in ("ddp", "zero1", "zero2", "zero_offload", "fsdp", "zero3"):
         v[f"trainkit {name}"] = trainkit_variant(name, {}, env, shape, x)
@@ -284,18 +285,21 @@ def report(result: dict) -> str:
              f"AdamW; median of {result['rounds']} rounds x {result['steps']} steps",
              f"{'variant':<56}{'step':>10}{'x ref':>8}{'link MB':>9}{'bound':>10}{'+ alone':>10}{'effic.':>8}"]
     refs = {"trainkit ddp": "torch DDP", "trainkit zero1": "trainkit ddp", "trainkit zero2": "trainkit ddp",
-            "trainkit zero_offload": "trainkit ddp", "trainkit fsdp": "torch FSDP2 (per block)",
-            "trainkit zero3": "torch FSDP2 (per block)", "trainkit ddp powersgd r1": "trainkit ddp",
+            "trainkit zero_offload": "trainkit ddp", "trainkit fsdp": targets.LINK_FSDP2,
+            "trainkit zero3": targets.LINK_FSDP2, "trainkit ddp powersgd r1": "trainkit ddp",
             "trainkit ddp powersgd r4": "trainkit ddp", "trainkit ddp + 1-bit Adam": "trainkit ddp",
             "trainkit fsdp (4 ranks)": "torch FSDP2 (4 ranks)",
             "trainkit HSDP (shard in node, replicate across)": "trainkit fsdp (4 ranks)",
             "trainkit cp2 all_gather": "trainkit cp2 ring", "trainkit cp2 ulysses": "trainkit cp2 ring"}
     rounds = ranks[0].get("rounds", {})
+    ratios: dict[tuple[str, str], float] = {}
     for name, t in times.items():
         if name == ALONE:
             continue
         ref = refs.get(name)
-        ratio = f"{_paired(rounds.get(name), rounds.get(ref), t, times.get(ref)):.3f}" if ref in times else ""
+        if ref in times:
+            ratios[(name, ref)] = _paired(rounds.get(name), rounds.get(ref), t, times[ref])
+        ratio = f"{ratios[(name, ref)]:.3f}" if ref in times else ""
         sent = link.get(name)
         link_s = sent * 8 / (rate * 1e9) if sent is not None and rate else None
         bound = "-" if link_s is None else f"{link_s * 1e3:.1f}"
@@ -308,6 +312,10 @@ def report(result: dict) -> str:
                  "zero3), fsdp over 4 (HSDP), the ring (cp2), the median over rounds of the two's ratio in a round. "
                  "link MB: sent per step by the busier node (interface counters). bound: link MB at the rate; "
                  "+ alone: that plus one rank's step alone (no overlap at all). effic.: 1 rank alone / the variant.")
+    if result["rate_gbit"]:  # the targets are for the shaped link; loopback (--smoke) has none
+        lines += targets.verdict(f"link {result['layout']}", ratios)
+    elif result["smoke"]:
+        lines.append(targets.SMOKE)
     return "\n".join(lines)
 
 

@@ -31,6 +31,7 @@ import sys
 import time
 from collections.abc import Callable
 
+import targets
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -46,11 +47,11 @@ TRAINKIT = ("ddp", "zero1", "zero2", "zero_offload", "fsdp", "zero3")
 # (variant, the reference its ratio is printed against, second reference)
 REPORT = [
     ("trainkit ddp", "torch DDP", None),
-    ("trainkit zero1", "torch ZeRO (ZeroRedundancyOptimizer+DDP)", "trainkit ddp"),
-    ("trainkit zero2", "torch ZeRO (ZeroRedundancyOptimizer+DDP)", "trainkit ddp"),
-    ("trainkit zero_offload", "torch ZeRO (ZeroRedundancyOptimizer+DDP)", "trainkit ddp"),
-    ("trainkit fsdp", "torch FSDP2 (fully_shard per block)", "trainkit ddp"),
-    ("trainkit zero3", "torch FSDP2 (fully_shard per block)", "trainkit ddp"),
+    ("trainkit zero1", targets.TORCH_ZERO, "trainkit ddp"),
+    ("trainkit zero2", targets.TORCH_ZERO, "trainkit ddp"),
+    ("trainkit zero_offload", targets.TORCH_ZERO, "trainkit ddp"),
+    ("trainkit fsdp", targets.TORCH_FSDP2, "trainkit ddp"),
+    ("trainkit zero3", targets.TORCH_FSDP2, "trainkit ddp"),
     ("trainkit ddp powersgd r1", "trainkit ddp", None),
     ("trainkit ddp powersgd r4", "trainkit ddp", None),
     ("trainkit ddp + 1-bit Adam", "trainkit ddp", None),
@@ -195,8 +196,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
     x = torch.randn(batch, shape[0], generator=torch.Generator().manual_seed(rank))
     build: dict[str, Callable[[], Step]] = {
         "torch DDP": lambda: torch_ddp_variant(shape, x),
-        "torch ZeRO (ZeroRedundancyOptimizer+DDP)": lambda: torch_ddp_variant(shape, x, zero=True),
-        "torch FSDP2 (fully_shard per block)": lambda: torch_fsdp2_variant(shape, x),
+        targets.TORCH_ZERO: lambda: torch_ddp_variant(shape, x, zero=True),
+        targets.TORCH_FSDP2: lambda: torch_fsdp2_variant(shape, x),
     }
     build |= {f"trainkit {name}": lambda n=name: trainkit_variant(n, {}, env, shape, x) for name in TRAINKIT}
     for r in (1, 4):
@@ -257,19 +258,24 @@ def main() -> None:
     print(f"2 ranks, gloo, 1 thread each, MLP {model} per rank, AdamW; median of {args.rounds} rounds "
           f"x {args.steps} steps")
     width = max(len(n) for n in medians) + 2
-    for name in ("torch DDP", "torch ZeRO (ZeroRedundancyOptimizer+DDP)", "torch FSDP2 (fully_shard per block)",
+    for name in ("torch DDP", targets.TORCH_ZERO, targets.TORCH_FSDP2,
                  "torch pipelining GPipe", "torch pipelining 1F1B"):
         if name in medians:
             print(f"{name:<{width}}{medians[name] * 1e3:>9.1f} ms")
+    ratios: dict[tuple[str, str], float] = {}
     for name, ref, second in REPORT:
         if name not in medians or ref not in medians:
             continue
         second = second if second in medians else None
-        line = f"{name:<{width}}{medians[name] * 1e3:>9.1f} ms   {medians[name] / medians[ref]:.3f}x {ref}"
+        ratios[(name, ref)] = medians[name] / medians[ref]
+        line = f"{name:<{width}}{medians[name] * 1e3:>9.1f} ms   {ratios[(name, ref)]:.3f}x {ref}"
         if second:
-            line += f", {medians[name] / medians[second]:.3f}x {second}"
+            ratios[(name, second)] = medians[name] / medians[second]
+            line += f", {ratios[(name, second)]:.3f}x {second}"
         print(line)
+    verdict = [targets.SMOKE] if args.smoke else targets.verdict("loopback", ratios)
     if args.only:
+        print("\n".join(verdict))
         return
     share, apart = medians["1 rank, its share"], medians["2 ranks, no communication"]
     print(f"{'1 rank, its share':<{width}}{share * 1e3:>9.1f} ms")
@@ -279,6 +285,7 @@ def main() -> None:
         "trainkit ddp", "torch DDP", "trainkit ddp powersgd r1", "trainkit ddp powersgd r4",
         "trainkit ddp + 1-bit Adam"))
     print(f"scaling efficiency (1 rank / 2 ranks): {efficiency}")
+    print("\n".join(verdict))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ def test_strategies_smoke():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "trainkit ddp" in proc.stdout and "scaling efficiency" in proc.stdout
+    assert proc.stdout.splitlines()[-1].startswith("targets: not checked"), proc.stdout  # a tiny model: no targets
 
 
 def test_strategies_only_and_ddp_phases_smoke():
@@ -125,6 +126,7 @@ def test_link_smoke():
                 "trainkit HSDP (shard in node, replicate across)", "trainkit pipeline 1F1B (a stage per node) x 2"):
         assert row in proc.stdout, row
     assert "2x2 (4 ranks), loopback" in proc.stdout
+    assert proc.stdout.count("targets: not checked") == 2, proc.stdout  # a tiny model over loopback: no targets
 
 
 def test_compile_smoke():
