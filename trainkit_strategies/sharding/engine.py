@@ -9,15 +9,16 @@ in the compute dtype, and its gradient shard. The lifecycle of a unit in one ste
 
 1. forward pre-hook: all-gather the unit (waiting for a prefetch if one was issued), and issue the
    next unit's all-gather asynchronously (the order is recorded on the first step);
-2. forward hook: free the gathered parameters (``reshard_after_forward``; off keeps them, ZeRO-2-like);
-3. backward pre-hook: all-gather again, prefetch the next unit in backward order;
+2. forward hook: free the gathered parameters when the next unit's forward starts (``reshard_after_forward``;
+   off keeps them, ZeRO-2-like): the last unit stays gathered for backward, which begins with it;
+3. backward pre-hook: all-gather again (the last unit excepted), prefetch the next unit in backward order;
 4. when every parameter of the unit has its gradient: copy the gradients into one of two bucket buffers
    (taken in turn: the next unit's reduce-scatter starts while this one is still on the wire), reduce-scatter
    into the rank's gradient shard (accumulating across micro-steps), free the unit.
 
 Parameters outside every unit form the *root* unit, gathered from the start of the step's forward to
-the end of its backward. Communication per step: Ψ gathered twice and Ψ reduce-scattered (§7: 3Ψ).
-Mixed precision follows FSDP's policy: fp32 sharded master, gathers in the compute dtype, gradients
+the end of its backward. Communication per step: Ψ gathered twice (the last unit once) and Ψ reduce-scattered
+(§7: 3Ψ). Mixed precision follows FSDP's policy: fp32 sharded master, gathers in the compute dtype, gradients
 reduced in ``reduce_dtype`` (default: the compute dtype). The optimizer steps the master pieces
 (``MasterShards``, shared with ZeRO-1/2, including offload). Models built in ``configure_model`` on the
 meta device are materialised one unit at a time (``materialise.py``).
@@ -47,7 +48,7 @@ from trainkit_strategies.memory import MemoryReport, resize_storage
 from trainkit_strategies.precision import Precision, dtype_named
 from trainkit_strategies.sharding.deferred import InitRecorder, Replayer
 from trainkit_strategies.sharding.materialise import materialise_meta
-from trainkit_strategies.sharding.units import ShardedBucket, Unit, assign_units
+from trainkit_strategies.sharding.units import ShardedBucket, Unit, UnitOrder, assign_units
 
 
 def _in_backward() -> bool:
@@ -91,13 +92,12 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         self.sync_micro_steps = True  # reduce-scatter on micro-steps too (ZeRO-3); fsdp can turn it off
         self._first_micro_step = True
         self._end_queued = False
-        self._order: dict[str, list[int]] = {"forward": [], "backward": []}
-        self._position = {"forward": 0, "backward": 0}
-        self._recorded = {"forward": False, "backward": False}
+        self._order = UnitOrder()
         self._replaced: dict[Tensor, Tensor] = {}  # meta parameter -> the parameter that replaced it
         self._replayer: Replayer | None = None  # what configure_model computed on the meta device
         self._apart: list[set[int]] = []  # ids of parameters whose gradients keep_apart gave buckets of their own
         self.replicate: Comm | None = None  # HSDP (setup_environment's replicas)
+        self._finished: Unit | None = None  # the last unit whose training forward ended, still gathered
 
     def setup_environment(self, env: Environment, comm: Comm | None = None, replicas: Comm | None = None) -> None:
         """``replicas``: the ranks holding the same shards, their gradients all-reduced once per step (HSDP)."""
@@ -237,6 +237,8 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         unit.handles.clear()
 
     def _reshard(self, unit: Unit) -> None:
+        if self._finished is unit:
+            self._finished = None
         if not unit.gathered or unit.persistent:
             return
         self._wait(unit)
@@ -246,27 +248,17 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
 
     def _next_in_order(self, phase: str, unit: Unit) -> Unit | None:
         """Follow the order recorded on the first step; on a deviation stop prefetching (once, loudly)."""
-        order, pos = self._order[phase], self._position[phase]
-        if not self._recorded[phase]:
-            order.append(unit.index)
-            return None
-        self._position[phase] = pos + 1
-        if pos >= len(order) or order[pos] != unit.index:
-            if self.prefetch:
-                rank_zero_warn(f"{self.name}: the {phase} order of units changed since the first step; "
-                               "prefetching is off from now on (results are unaffected).")
-                self.prefetch = False
-            return None
-        if not self.prefetch or pos + 1 >= len(order):
-            return None
-        return next(u for u in self.units if u.index == order[pos + 1])
+        following = self._order.follow(phase, unit.index)
+        if self._order.deviated and self.prefetch:
+            rank_zero_warn(f"{self.name}: the {phase} order of units changed since the first step; "
+                           "prefetching is off from now on (results are unaffected).")
+            self.prefetch = False
+        return next((u for u in self.units if u.index == following), None) if self.prefetch else None
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
         """Autocast, and the root unit gathered for the step (until the end of backward when training)."""
-        if self._order["forward"]:
-            self._recorded["forward"] = True
-        self._position["forward"] = 0
+        self._order.restart("forward")
         for unit in self.units:
             unit.forward_calls = 0
             if unit.root:
@@ -283,6 +275,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
             return
         if unit.forward_calls == 0:
             nxt = self._next_in_order("forward", unit) if torch.is_grad_enabled() else None
+            self._free_finished(keep=unit)
             self._gather(unit)
             if nxt is not None:
                 self._gather(nxt, async_op=True)
@@ -294,8 +287,17 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         if unit.forward_calls < len(unit.modules):
             return
         unit.forward_calls = 0
-        if self.reshard_after_forward:
+        if self.reshard_after_forward and not torch.is_grad_enabled():
             self._reshard(unit)
+        elif self.reshard_after_forward:
+            self._free_finished(keep=unit)
+            self._finished = unit
+
+    def _free_finished(self, keep: Unit) -> None:
+        """Free the unit whose training forward ended last, unless it is ``keep``: the last of a forward stays
+        gathered for backward, which would gather it again at once (torchtitan keeps its last block so by hand)."""
+        if self._finished is not None and self._finished is not keep:
+            self._reshard(self._finished)
 
     def _pre_backward(self, unit: Unit, module: nn.Module, grad_output: tuple) -> None:
         self._queue_end_backward()
@@ -313,7 +315,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
             unit.pending_grads = sum(p.requires_grad for b in unit.buckets for p in b.layout.params)
             if unit.root:  # a pipeline runs forwards between backwards: the last backward's end freed it
                 self._gather(unit)
-        self._position["backward"] = 0
+        self._order.restart("backward")
         with warnings.catch_warnings():  # the first unit's inputs never require grad; its pre-hook still fires
             warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
             yield
@@ -352,7 +354,6 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
             self._first_micro_step = False
         for unit in self.units:
             self._reshard(unit)
-        self._recorded["backward"] = self._recorded["backward"] or bool(self._order["backward"])
         self._end_queued = False
 
     def reduce_gradients(self, scale: float | Tensor) -> None:

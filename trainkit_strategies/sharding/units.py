@@ -91,6 +91,35 @@ def assign_units(module: nn.Module, names: dict[Tensor, str], groups: list[list[
 
 
 
+class UnitOrder:
+    """The order units ran in, forward and backward, the first time: later passes follow it to name the unit to
+    prefetch next. ``deviated`` turns true once a pass ran them in another order (prefetching should stop then)."""
+
+    def __init__(self) -> None:
+        self.order: dict[str, list[int]] = {"forward": [], "backward": []}
+        self.position = {"forward": 0, "backward": 0}
+        self.recorded = {"forward": False, "backward": False}
+        self.deviated = False
+
+    def restart(self, phase: str) -> None:
+        """A forward or a backward begins (after the first, whose order is then the record)."""
+        self.recorded[phase] = self.recorded[phase] or bool(self.order[phase])
+        self.position[phase] = 0
+
+    def follow(self, phase: str, unit: int) -> int | None:
+        """``unit`` runs next in ``phase``: record it (the first pass) or check it against the record; the unit that
+        runs after it, when the record says."""
+        order, pos = self.order[phase], self.position[phase]
+        if not self.recorded[phase]:
+            order.append(unit)
+            return None
+        self.position[phase] = pos + 1
+        if pos >= len(order) or order[pos] != unit:
+            self.deviated = True
+            return None
+        return order[pos + 1] if pos + 1 < len(order) else None
+
+
 def repeated_layers(module: nn.Module) -> list[nn.Module]:
     """The outermost repeated layers: children of an nn.ModuleList / nn.Sequential of which two or more share a
     class (transformer blocks); the search does not descend into a chosen layer. ``fsdp``'s default units, and the
