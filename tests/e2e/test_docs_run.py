@@ -211,5 +211,7 @@ def test_every_block_is_run_or_says_why_not():
           f"{len(outputs)} output or listings, over {len(PAGES)} pages")
     for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
         print(f"  {n:3d} skipped: {reason}")
-    assert all(i.skip for i in skipped) and len(runnable) > 100
+    terse = [(i.page.name, i.line, i.skip) for i in skipped if len(str(i.skip).split()) < 3]
+    assert not terse, f"skipped without a reason a reader can follow (three words at least): {terse}"
+    assert len(runnable) > 100
     assert {i.kind for i in runnable} >= {"shell", "python", "parse"}

@@ -76,11 +76,13 @@ def test_host_adam_equals_torch_fused_adam(path, cls, options, grad_dtype, out_d
 @pytest.mark.parametrize("threads", [1, 2])
 def test_every_path_of_the_kernel_gives_the_same_bits(grad_dtype, threads):
     """However a run is cut into calls, tiles and code paths (the streaming path for an aligned separate bf16 output,
-    the general loop otherwise, in any alignment), each element's update is the same expression: the same bits."""
+    the general loop otherwise, in any alignment), each element's update is the same expression: the same bits.
+    With 2 threads the kernel splits a call of at least 2 x 4096 elements into a tile per thread, so the large pieces
+    here (12,291, 11,284 and 10,243 elements) are split and the tiles' seams are among the elements compared."""
     if not host_adam_module.uses_kernel():
         pytest.skip(f"the kernel is not built here: {native.why_not('host_adam')}")
     torch.manual_seed(0)
-    n = 4099
+    n = 3 * 4096 + 3
     start = torch.randn(n)
     grads = [torch.randn(n).to(grad_dtype) for _ in range(3)]
     results = []
