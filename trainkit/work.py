@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 DELAY_S = 1.0  # work shorter than this shows nothing
+TICK_S = 0.5  # how often the bar's clock ticks while one item takes long
 _state = {"enabled": os.environ.get("RANK", "0") == "0"}  # rank 0 of a launched run; any process run alone
 
 
@@ -45,13 +46,7 @@ def _tracked(items: Iterable[T], description: str, total: int | None, label: Cal
     bar: Any = tqdm(desc=description, total=total, delay=DELAY_S, mininterval=1.0, leave=False, dynamic_ncols=True,
                     file=sys.stderr)
     done = threading.Event()
-
-    def tick() -> None:
-        while not done.wait(0.5):
-            if time.time() - bar.start_t >= DELAY_S:
-                bar.refresh()
-
-    threading.Thread(target=tick, name="trainkit-progress", daemon=True).start()
+    threading.Thread(target=_tick, args=(bar, done), name="trainkit-progress", daemon=True).start()
     try:
         for item in items:
             if label is not None:
@@ -61,3 +56,11 @@ def _tracked(items: Iterable[T], description: str, total: int | None, label: Cal
     finally:
         done.set()
         bar.close()
+
+
+def _tick(bar: Any, done: threading.Event, clock: Callable[[], float] = time.time) -> None:
+    """Redraw ``bar`` every ``TICK_S`` once it is shown (``DELAY_S`` after it started, on tqdm's clock), until
+    ``done``: its elapsed time moves while one item takes long."""
+    while not done.wait(TICK_S):
+        if clock() - bar.start_t >= DELAY_S:
+            bar.refresh()

@@ -33,10 +33,13 @@ class Heartbeat:
         dead_after_s: a neighbour silent this long is declared dead.
         on_failure: called once, from the heartbeat thread, with the verdict (it aborts the communicators).
         interval_s: seconds between beats.
+        clock: the clock silences are measured on; start: run the beats on a thread of their own (a test may
+            instead call ``beat()`` itself, on a clock it moves).
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, dead_after_s: float,
-                 on_failure: Callable[[str], None], interval_s: float = 1.0) -> None:
+                 on_failure: Callable[[str], None], interval_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic, start: bool = True) -> None:
         import torch.distributed as dist
 
         self.store = dist.PrefixStore("trainkit/heartbeat", store)
@@ -44,35 +47,44 @@ class Heartbeat:
         self.interval_s = min(interval_s, dead_after_s / 4)
         self.failure: str | None = None
         self._on_failure = on_failure
+        self._clock = clock
+        self._neighbour = (rank + 1) % world_size
+        self._beats, self._seen, self._changed = 0, None, clock()  # the neighbour's counter, and when it moved
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trainkit-heartbeat", daemon=True)
-        self._thread.start()
+        if start:
+            self._thread.start()
 
     def _run(self) -> None:
-        neighbour = (self.rank + 1) % self.world_size
-        beats, seen, changed = 0, None, time.monotonic()
-        while not self._stop.wait(self.interval_s):
-            try:
-                beats += 1
-                self.store.set(f"beat/{self.rank}", str(beats))
-                if self.store.check([_VERDICT]):
-                    self._fail(self.store.get(_VERDICT).decode())
-                    return
-                value = self.store.get(f"beat/{neighbour}") if self.store.check([f"beat/{neighbour}"]) else None
-            except Exception as err:  # the store's host is gone (or unreachable): rank 0 died
-                if not self._stop.is_set():
-                    self._fail(f"the rendezvous store stopped answering ({type(err).__name__}): rank 0, which "
-                               "hosts it, died or its machine is unreachable")
-                return
-            now = time.monotonic()
-            if value == b"done":  # it finished its run
-                continue
-            if value != seen:
-                seen, changed = value, now
-            elif seen is not None and now - changed > self.dead_after_s:
-                self.declare(f"rank {neighbour} stopped answering: no heartbeat for {now - changed:.0f} s (it died, "
-                             "was killed, or froze)")
-                return
+        while not self._stop.wait(self.interval_s) and self.beat():
+            pass
+
+    def beat(self) -> bool:
+        """One beat: bump this rank's counter, read the verdict and the neighbour's counter. Returns False once the
+        run has failed (a verdict read or declared here) or the store stopped answering: no more beats."""
+        neighbour = self._neighbour
+        try:
+            self._beats += 1
+            self.store.set(f"beat/{self.rank}", str(self._beats))
+            if self.store.check([_VERDICT]):
+                self._fail(self.store.get(_VERDICT).decode())
+                return False
+            value = self.store.get(f"beat/{neighbour}") if self.store.check([f"beat/{neighbour}"]) else None
+        except Exception as err:  # the store's host is gone (or unreachable): rank 0 died
+            if not self._stop.is_set():
+                self._fail(f"the rendezvous store stopped answering ({type(err).__name__}): rank 0, which "
+                           "hosts it, died or its machine is unreachable")
+            return False
+        now = self._clock()
+        if value == b"done":  # it finished its run
+            return True
+        if value != self._seen:
+            self._seen, self._changed = value, now
+        elif self._seen is not None and now - self._changed > self.dead_after_s:
+            self.declare(f"rank {neighbour} stopped answering: no heartbeat for {now - self._changed:.0f} s (it "
+                         "died, was killed, or froze)")
+            return False
+        return True
 
     def verdict(self) -> str | None:
         """The failure, as recorded, or as written in the store by a peer that failed (it writes it before it tears
@@ -100,7 +112,8 @@ class Heartbeat:
         if self._stop.is_set():
             return
         self._stop.set()
-        self._thread.join(timeout=2 * self.interval_s + 5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * self.interval_s + 5)
         with contextlib.suppress(Exception):
             self.store.set(f"beat/{self.rank}", "done")
 

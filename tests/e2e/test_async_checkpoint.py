@@ -66,12 +66,10 @@ def test_a_checkpoint_appears_only_when_its_files_are_durable(tmp_path, monkeypa
 
     monkeypatch.setattr(ckpt, "write_safetensors", slow_save)
     watch = Watch(tmp_path)
-    start = time.perf_counter()
     _fit(tmp_path, True, (watch,))
     assert watch.seen[2] is None  # the first save returned before its checkpoint existed
     assert watch.seen[4] == "epoch=0-step=2"  # the next save waited for (and committed) the one before
     assert (tmp_path / "checkpoints" / "latest").read_text() == "epoch=0-step=8"  # committed by the end of fit
-    assert time.perf_counter() - start < 4 * 0.4 + 10
 
 
 CRASH_SCRIPT = '''

@@ -46,7 +46,9 @@ def test_failed_peer_stops_the_run_with_a_clear_error(tmp_path, how, timeout_s, 
     assert "A collective across 2 ranks failed" in proc.stderr, proc.stderr[-3000:]
     assert names in proc.stderr, proc.stderr[-3000:]
     assert "is intact: resume with --ckpt_path last" in proc.stderr
-    limit = 45 + 2 * timeout_s if how != "freeze" else 45  # rank 0 stops the frozen rank 5 s after it fails
+    # a hang guard, not a timing: without the heartbeat a frozen rank holds the others for timeout_s (600 s); when a
+    # silence counts as a death is tests/unit/test_ticking.py's, on a clock the test moves
+    limit = 60 + 2 * timeout_s if how != "freeze" else 180
     assert elapsed < limit, f"took {elapsed:.0f} s"
     latest = tmp_path / "checkpoints" / "epoch=0-step=10"
     assert (tmp_path / "checkpoints" / "latest").read_text() == latest.name
@@ -88,7 +90,7 @@ def test_a_rank_that_dies_before_joining_stops_rank_zero_at_once(tmp_path):
     assert proc.returncode == 1 and "joined" not in proc.stdout
     assert "rank 1 exited with code 1 before joining the other ranks" in proc.stderr, proc.stderr[-3000:]
     assert "simulated: a package is missing" in proc.stderr
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 180  # a hang guard: rank 0 would otherwise wait timeout_s, 600 s
 
 
 def test_devices_from_python_c_says_to_use_a_script(tmp_path):

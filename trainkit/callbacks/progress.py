@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from trainkit.callbacks.base import Callback
@@ -15,6 +16,7 @@ if TYPE_CHECKING:
 
 
 QUIET_S = 2.0  # a bar silent this long redraws itself: its clock moves while a step or a validation takes long
+TICK_S = 0.5  # how often the bar looks whether it has been silent that long
 
 
 class ProgressBar(Callback):
@@ -55,11 +57,12 @@ class ProgressBar(Callback):
                          daemon=True).start()
 
     @staticmethod
-    def _keep_alive(bar: Any, stop: threading.Event) -> None:
+    def _keep_alive(bar: Any, stop: threading.Event, clock: Callable[[], float] = time.time) -> None:
+        """Redraw ``bar`` once it has printed nothing for ``QUIET_S`` (looked at every ``TICK_S``), until ``stop``."""
         redrawn = 0.0
-        while not stop.wait(0.5):
-            if time.time() - max(bar.last_print_t, redrawn) >= QUIET_S:  # tqdm's own prints set last_print_t
-                redrawn = time.time()
+        while not stop.wait(TICK_S):
+            if clock() - max(bar.last_print_t, redrawn) >= QUIET_S:  # tqdm's own prints set last_print_t
+                redrawn = clock()
                 bar.refresh()  # under the bar's lock; a closed bar ignores it
 
     def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
