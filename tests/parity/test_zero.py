@@ -44,8 +44,11 @@ CASES = [
          accumulate=2),
     Case("zero_offload-bf16-reduce-fp32", "zero_offload", {**SMALL, "reduce_dtype": "fp32"}, precision="bf16-mixed",
          accumulate=2, clip=0.05),
-    Case("zero1-comm-acc4", "zero1", SMALL, accumulate=4, steps=3, record_comm=True),
-    Case("zero2-comm-acc1", "zero2", SMALL, steps=3, record_comm=True),
+    # the bytes on the wire, on an MLP whose buckets' padding is small beside its parameters (1,281): the bound
+    # below then tells one send from two, as the last case (sending everything twice) shows
+    Case("zero1-comm-acc4", "zero1", SMALL, accumulate=4, steps=3, record_comm=True, model="wide"),
+    Case("zero2-comm-acc1", "zero2", SMALL, steps=3, record_comm=True, model="wide"),
+    Case("zero2-comm-sends-twice", "zero2", SMALL, steps=3, record_comm=True, model="wide", sends_twice=True),
 ]
 
 
@@ -65,26 +68,38 @@ def test_zero_matches_single_process(world, case):
     assert result.host_fallback == ("" if host_adam.uses_kernel() else native.why_not("host_adam"))
 
 
+def _moves_psi_once(moved: dict[str, int], psi: int) -> None:
+    """One reduce-scatter in and one all-gather out, each Ψ fp32 values plus the buckets' padding: at least Ψ, and
+    less than twice Ψ (the padding, at most W·16 values a bucket, is below Ψ here)."""
+    assert moved.keys() == {"reduce_scatter", "all_gather"}
+    assert moved["reduce_scatter"] == moved["all_gather"]
+    assert psi * 4 <= moved["reduce_scatter"] < 2 * psi * 4, (moved, psi)
+
+
 def test_zero1_reduce_scatters_and_gathers_psi_per_step_and_nothing_on_micro_steps(world):
-    world_size, results = world
+    _, results = world
     result = results["zero1-comm-acc4"]
     assert len(result.comm) == 12
     for i, moved in enumerate(result.comm):
         if (i + 1) % 4:
             assert moved == {}, f"micro-step {i} communicated {moved}"
         else:
-            # Ψ plus each bucket's padding, in fp32 bytes: one reduce-scatter in, one all-gather out
-            assert moved.keys() == {"reduce_scatter", "all_gather"}
-            assert moved["reduce_scatter"] == moved["all_gather"]
-            assert result.psi * 4 <= moved["reduce_scatter"] <= (result.psi + 6 * world_size * 16) * 4
+            _moves_psi_once(moved, result.psi)
 
 
 def test_zero2_moves_psi_each_way_per_step(world):
-    world_size, results = world
+    _, results = world
     result = results["zero2-comm-acc1"]
     assert len(result.comm) == 3
     for moved in result.comm:
-        # Ψ plus each bucket's padding (the same buckets as zero1's above), in fp32 bytes: sent once, not twice
-        assert moved.keys() == {"reduce_scatter", "all_gather"}
-        assert moved["reduce_scatter"] == moved["all_gather"]
-        assert result.psi * 4 <= moved["reduce_scatter"] <= (result.psi + 6 * world_size * 16) * 4
+        _moves_psi_once(moved, result.psi)
+
+
+def test_a_strategy_that_sends_twice_fails_the_bytes_test(world):
+    """The guard of the two tests above: the same zero2 run with every collective sent a second time fails."""
+    _, results = world
+    result = results["zero2-comm-sends-twice"]
+    assert len(result.comm) == 3
+    with pytest.raises(AssertionError):
+        _moves_psi_once(result.comm[0], result.psi)
+    assert result.comm[0]["reduce_scatter"] == 2 * results["zero2-comm-acc1"].comm[0]["reduce_scatter"]

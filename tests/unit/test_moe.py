@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.parity.plain import moe_losses_by_formula
 from trainkit import Trainer, TrainModule
 from trainkit.callbacks import Callback
 from trainkit.moe import MoE, moe_metrics
@@ -97,26 +98,12 @@ def test_capacity_routing_keeps_gshards_priority_and_counts_the_drops():
     assert float(roomy.dropped) == 0.0
 
 
-def _losses_by_formula(layer: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Switch/GShard's ``E * sum_e f_e P_e`` of each sequence, averaged, and the mean squared log-sum-exp."""
-    batch, length, _ = x.shape
-    logits = x.reshape(-1, x.shape[-1]) @ layer.router.weight.t()
-    experts, k = layer.num_experts, layer.top_k
-    probs = logits.softmax(-1).view(batch, length, experts)
-    chosen = probs.topk(k, -1).indices
-    per_sequence = []
-    for b in range(batch):
-        f = torch.stack([(chosen[b] == e).sum() for e in range(experts)]).float() / (k * length)
-        per_sequence.append(experts * (f * probs[b].mean(0)).sum())
-    return torch.stack(per_sequence).mean(), torch.logsumexp(logits, -1).square().mean()
-
-
 def test_the_balance_and_z_losses_follow_their_formulas():
     layer = _moe(top_k=2)
     x = torch.randn(3, 10, 8)
     with collecting() as found:
         layer(x)
-    balance, z = (float(t) for t in _losses_by_formula(layer, x))
+    balance, z = (float(t) for t in moe_losses_by_formula(layer, x))
     assert float(layer.balance) == pytest.approx(balance, rel=1e-6)
     assert float(layer.z) == pytest.approx(z, rel=1e-6)
     assert len(found) == 1 and float(found[0][0]) == pytest.approx(0.01 * float(layer.balance), rel=1e-6)
@@ -176,7 +163,7 @@ def test_the_step_adds_the_auxiliary_losses_to_the_objective(tmp_path):
     reference = _TinyMoE()
     x, y = data[0]
     loss = F.cross_entropy(reference(x).flatten(0, 1), y.flatten())
-    balance, z = _losses_by_formula(reference.moe, reference.embed(x))
+    balance, z = moe_losses_by_formula(reference.moe, reference.embed(x))
     (loss + 0.5 * balance + 0.1 * z).backward()  # the objective written out
     for name, p in reference.named_parameters():
         torch.testing.assert_close(seen[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
