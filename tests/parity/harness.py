@@ -385,7 +385,7 @@ def run_plain(case: Case, world_size: int, variant: str | None = None, split: in
             regression_data(13, seed=5) if case.model in ("regression", "validated", "batchnorm") else None
     out = train_plain(module, data, batch_size=case.per_rank_batch * replicas, steps=case.steps,
                       precision=case.precision, accumulate=case.accumulate, clip=case.clip,
-                      clip_algorithm=case.clip_algorithm, init_scale=case.init_scale, val_data=val,
+                      clip_algorithm=case.clip_algorithm, init_scale=case.init_scale, val_data=val, val_every=5,
                       device=plain_device(world_size), variant=variant, split=split)
     logged = out["val"] if case.model in ("validated", "batchnorm") else {k: v for k, v in out["val"].items()
                                                                             if k == "val_loss"}

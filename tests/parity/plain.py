@@ -16,7 +16,10 @@ fp32 where the case asks for bfloat16 or float16, "no_unscale" steps on gradient
 scale. Two are legitimate, the roundings a strategy may make: ``split`` computes each micro-batch in that many
 pieces whose gradients are summed (how data parallelism re-associates), and "working" runs the mixed policies'
 forward on low-precision copies of the parameters (what ZeRO and FSDP keep as working parameters: every parameter,
-not only a matmul's inputs, is rounded, and its gradient is rounded before it reaches the fp32 master).
+not only a matmul's inputs, is rounded, and its gradient is rounded before it reaches the fp32 master). And
+"replicas" is data parallelism by hand, for what one process cannot compute: each micro-batch in ``split`` parts
+strided as the ranks read them, each normalised by its own BatchNorm statistics from the same starting statistics,
+the first part's kept afterwards (DDP's: rank 0's buffers are broadcast).
 """
 
 from __future__ import annotations
@@ -81,6 +84,20 @@ class _Step(nn.Module):
         return self.module.training_step(batch, 0)
 
 
+def _strided(batch: Any, replicas: int) -> list[Any]:
+    """Each replica's part of a global batch: rank ``r`` of ``replicas`` holds samples ``r, r + replicas, ...``."""
+    return [type(batch)(t[r::replicas] for t in batch) for r in range(min(replicas, batch[0].shape[0]))]
+
+
+def _buffers(module: nn.Module) -> dict[str, Tensor]:
+    return {n: b.detach().clone() for n, b in module.named_buffers()}
+
+
+def _set_buffers(module: nn.Module, values: dict[str, Tensor]) -> None:
+    for n, b in module.named_buffers():
+        b.copy_(values[n])
+
+
 def _optimizers(module: nn.Module) -> tuple[torch.optim.Optimizer, Any, str]:
     config = module.configure_optimizers()
     if isinstance(config, torch.optim.Optimizer):
@@ -113,11 +130,12 @@ def _pieces(batch: Any, split: int) -> list[Any]:
 
 def train_plain(module: nn.Module, data: Any, *, batch_size: int, steps: int, precision: str = "32",
                 accumulate: int = 1, clip: float | None = None, clip_algorithm: str = "norm",
-                init_scale: float | None = None, val_data: Any = None, device: str = "cpu",
-                variant: str | None = None, split: int = 1) -> dict[str, Any]:
+                init_scale: float | None = None, val_data: Any = None, val_every: int | None = None,
+                device: str = "cpu", variant: str | None = None, split: int = 1) -> dict[str, Any]:
     """Train ``module`` on ``data`` for ``steps`` optimizer steps with a hand-written loop; returns the losses, the
     gradients before every step, the final parameters (and ``buffer:<name>`` floating buffers) and, with
-    ``val_data``, the validation metrics after the last step."""
+    ``val_data``, the validation metrics after the last step (with ``val_every``: at the last optimizer step that
+    completed another ``val_every`` training batches, as the Trainer's ``val_check_interval`` does)."""
     torch.manual_seed(SEED)
     if hasattr(module, "configure_model"):  # the module builds (part of) itself here, as under a trainer
         module.configure_model()
@@ -140,7 +158,7 @@ def train_plain(module: nn.Module, data: Any, *, batch_size: int, steps: int, pr
     grads: list[dict[str, Tensor]] = []
     names = {p: n for n, p in module.named_parameters()}
     norm: float | None = None  # c: accumulate times the first micro-batch's items
-    step, epoch = 0, 0
+    step, epoch, seen, validated, val = 0, 0, 0, 0, {}
     module.train()
     while step < steps:
         order = torch.randperm(len(data), generator=torch.Generator().manual_seed(SEED + epoch)).tolist()
@@ -148,18 +166,25 @@ def train_plain(module: nn.Module, data: Any, *, batch_size: int, steps: int, pr
         for start in range(0, len(batches), accumulate):
             window, total, weighted = batches[start:start + accumulate], 0, 0.0
             for batch in window:
-                for piece in _pieces(batch, split):
+                replicas = variant == "replicas"
+                start_buffers = _buffers(module) if replicas else {}
+                for i, piece in enumerate(_strided(batch, split) if replicas else _pieces(batch, split)):
+                    if replicas and i > 0:  # every replica starts from the same statistics ...
+                        _set_buffers(module, start_buffers)
                     piece = [t.to(device) for t in piece]
-                    working = {f"module.{n}": p if n in normed else p.to(low) for n, p in module.named_parameters()}
                     if true_dtype is not None:
                         piece = _cast_floats(piece, true_dtype)
                     auxiliary.active = True
                     with autocast():
                         if variant == "working" and low is not None:  # on low-precision copies of the parameters
+                            working = {f"module.{n}": p if n in normed else p.to(low)
+                                       for n, p in module.named_parameters()}
                             output = torch.func.functional_call(_Step(module), working, (piece,))
                         else:
                             output = module.training_step(piece, 0)
                     auxiliary.active = False
+                    if replicas and i == 0:
+                        first_buffers = _buffers(module)
                     loss, items = _loss_and_items(output, piece)
                     items = int(items)
                     if norm is None:
@@ -171,6 +196,8 @@ def train_plain(module: nn.Module, data: Any, *, batch_size: int, steps: int, pr
                     (scaler.scale(objective) if scaler is not None else objective).backward()
                     total += items
                     weighted += float(loss.detach()) * items
+                if replicas:  # ... and keeps the first replica's (rank 0's, broadcast)
+                    _set_buffers(module, first_buffers)
             if scaler is not None and variant != "no_unscale":
                 scaler.unscale_(optimizer)
             for p in params:
@@ -200,6 +227,10 @@ def train_plain(module: nn.Module, data: Any, *, batch_size: int, steps: int, pr
             if scheduler is not None and interval == "step":
                 scheduler.step()
             step += 1
+            seen += len(window)
+            if val_data is not None and val_every is not None and seen // val_every > validated:
+                validated = seen // val_every  # a step's boundary that completes val_every more batches
+                val = validate_plain(module, val_data, batch_size, device, autocast, true_dtype)
             if step == steps:
                 break
         if scheduler is not None and interval == "epoch":
@@ -209,8 +240,9 @@ def train_plain(module: nn.Module, data: Any, *, batch_size: int, steps: int, pr
     result["params"] = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in module.named_parameters()}
     result["params"] |= {f"buffer:{n}": b.detach().to("cpu", torch.float32, copy=True)
                          for n, b in module.named_buffers() if b.is_floating_point()}
-    result["val"] = {} if val_data is None else validate_plain(module, val_data, batch_size, device, autocast,
-                                                               true_dtype)
+    if val_data is not None and val_every is None:
+        val = validate_plain(module, val_data, batch_size, device, autocast, true_dtype)
+    result["val"] = val  # after the last step (every val_every batches: after the last that completed them)
     return result
 
 
