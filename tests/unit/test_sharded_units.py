@@ -42,3 +42,32 @@ def test_the_last_unit_of_a_training_forward_stays_gathered_for_backward_and_not
     with torch.no_grad(), strategy.forward_context():
         model(x)
     assert _gathered(strategy) == [False, False, False]  # no backward follows an evaluation
+
+
+def test_a_sharded_module_and_its_strategy_are_freed_once_dropped():
+    """The module's hooks hold the strategy (they gather its units) and the strategy holds the module; the garbage
+    collector frees the pair once nothing else does, which it cannot while a hook on a parameter holds the strategy
+    (autograd holds the parameters too, so their hooks are not followed): every fit under fsdp or zero3 left its model
+    and optimizer state in memory."""
+    import gc
+    import weakref
+
+    def fit_one(name: str) -> tuple[weakref.ref, weakref.ref]:
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)))
+        strategy = get_strategy(name)
+        strategy.setup_environment(Environment())
+        strategy.setup(model, torch.optim.AdamW(model.parameters()), Precision.from_name("32"))
+        with strategy.forward_context():
+            loss = model(torch.randn(4, 8)).square().mean()
+        strategy.backward(loss)
+        strategy.reduce_gradients(1.0)
+        strategy.optimizer_step()
+        strategy.teardown()
+        assert model(torch.randn(2, 8)).shape == (2, 8)  # still usable after teardown, while held
+        return weakref.ref(strategy), weakref.ref(model)
+
+    for name in ("fsdp", "zero3"):
+        strategy, model = fit_one(name)
+        gc.collect()
+        assert strategy() is None and model() is None, name

@@ -48,7 +48,7 @@ from trainkit_strategies.memory import MemoryReport, resize_storage
 from trainkit_strategies.precision import Precision, dtype_named
 from trainkit_strategies.sharding.deferred import InitRecorder, Replayer
 from trainkit_strategies.sharding.materialise import materialise_meta
-from trainkit_strategies.sharding.units import ShardedBucket, Unit, UnitOrder, assign_units
+from trainkit_strategies.sharding.units import ShardedBucket, Unit, UnitOrder, assign_units, weakly
 
 
 def _in_backward() -> bool:
@@ -217,8 +217,9 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
                 hooks.append(mod.register_forward_pre_hook(partial(self._pre_forward, unit)))
                 hooks.append(mod.register_forward_hook(partial(self._post_forward, unit)))
                 hooks.append(mod.register_full_backward_pre_hook(partial(self._pre_backward, unit)))
-        hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._bucket_of if p.requires_grad]
-        self._hooks = hooks
+        on_grad = weakly(self._on_grad)  # a parameter's hook must not keep the strategy (and its module) alive
+        self._hooks = hooks + [p.register_post_accumulate_grad_hook(on_grad) for p in self._bucket_of
+                               if p.requires_grad]
 
     # -- gathering -----------------------------------------------------------------------------------
     def _gather(self, unit: Unit, async_op: bool = False) -> None:
@@ -461,16 +462,10 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         gathered = [b.gathered for b in self.buckets if b.gathered.untyped_storage().nbytes()]
         grads = list(self._grad_buffer) + [p.grad for p in self._bucket_of if p.grad is not None]
         grads += self._reducer.buffers
-        return MemoryReport.of(
-            {
-                "params": [b.shard for b in self.buckets] + gathered,
-                "grads": grads + split["device"]["grads"],
-                "master": split["device"]["master"],
-                "optimizer": split["device"]["optimizer"],
-                "buffers": list(self.module.buffers()),
-            },
-            split["host"],
-        )
+        device = split["device"]
+        return MemoryReport.of({"params": [b.shard for b in self.buckets] + gathered, "grads": grads + device["grads"],
+                                "master": device["master"], "optimizer": device["optimizer"],
+                                "buffers": list(self.module.buffers())}, split["host"])
 
     def comms(self) -> list[Comm]:
         return [self.comm] + ([self.replicate] if self.replicate is not None else [])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -139,3 +140,19 @@ def repeated_layers(module: nn.Module) -> list[nn.Module]:
 
     visit(module)
     return out
+
+
+def weakly(method: Callable[[Tensor], None]) -> Callable[[Tensor], None]:
+    """``method`` as a hook that holds its object weakly. A parameter's hooks are not followed by the garbage
+    collector while autograd holds the parameter too, so a strategy that held its module and was held by a hook on
+    one of its parameters would never be freed: a sharded module and its strategy dropped after ``fit`` stayed in
+    memory, whole model state and all."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(param: Tensor) -> None:
+        target = ref()
+        if target is not None:
+            target(param)
+
+    return hook
+
