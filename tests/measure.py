@@ -1,0 +1,40 @@
+"""Bytes measured without asking the code that allocated them: the tensor storages alive, found by a sweep of the
+garbage collector's objects.
+
+``Alive()`` is entered before the work to measure; ``alive.bytes()`` is what came to life since and is still held,
+each storage once (views and flat-buffer pieces share their storage), by device type. The storages alive on entry
+are kept referenced until exit, so none of them can be freed and its address reused by a new one."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+
+
+def _storages() -> dict[int, Any]:
+    gc.collect()
+    found: dict[int, Any] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+            storage = obj.untyped_storage()
+            if storage.nbytes():
+                found.setdefault(storage.data_ptr(), storage)
+    return found
+
+
+class Alive:
+    """Storages that came to life inside the context (see the module's docstring)."""
+
+    def __enter__(self) -> Alive:
+        self._before = _storages()
+        return self
+
+    def bytes(self, device_type: str | None = None) -> int:
+        """The bytes of the storages alive now that were not alive on entry (on ``device_type`` only, if given)."""
+        return sum(s.nbytes() for ptr, s in _storages().items()
+                   if ptr not in self._before and (device_type is None or s.device.type == device_type))
+
+    def __exit__(self, *exc: object) -> None:
+        self._before = {}
