@@ -16,6 +16,7 @@ from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tests.helpers import adamw_groups
+from tests.measure import Alive
 from trainkit_strategies import Environment, Precision, get_strategy
 
 PROBE = Path(__file__).with_name("sharded_probe.py")
@@ -32,24 +33,31 @@ def fake_world(request):
 @pytest.mark.parametrize("name", ["fsdp", "zero3"])
 @pytest.mark.parametrize("fake_world", [2, 4], indirect=True)
 def test_model_state_is_16psi_over_n(fake_world, name):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(96, 320), nn.GELU(), nn.Linear(320, 320), nn.GELU(), nn.Linear(320, 96))
-    psi = sum(p.numel() for p in model.parameters())
-    strategy = get_strategy(name, **OPTIONS[name])
-    strategy.setup_environment(Environment(rank=1, world_size=fake_world))
-    strategy.setup(model, adamw_groups(model), Precision.from_name("bf16-mixed"))
-    with strategy.forward_context():
-        loss = model(torch.randn(4, 96)).float().square().mean()
-    strategy.backward(loss)
-    strategy.reduce_gradients(1.0 / fake_world)
-    strategy.optimizer_step()
-    strategy.zero_grad()
+    """Measured as the storages the step leaves alive (tests/measure.py): 16 bytes per element of this rank's
+    shard, plus the two reduce-scatter buffers; ``memory_report()`` agrees, category by category."""
+    with Alive() as alive:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(96, 320), nn.GELU(), nn.Linear(320, 320), nn.GELU(), nn.Linear(320, 96))
+        psi = sum(p.numel() for p in model.parameters())
+        strategy = get_strategy(name, **OPTIONS[name])
+        strategy.setup_environment(Environment(rank=1, world_size=fake_world))
+        strategy.setup(model, adamw_groups(model), Precision.from_name("bf16-mixed"))
+        with strategy.forward_context():
+            loss = model(torch.randn(4, 96)).float().square().mean()
+        strategy.backward(loss)
+        del loss
+        strategy.reduce_gradients(1.0 / fake_world)
+        strategy.optimizer_step()
+        strategy.zero_grad()
+        held = alive.bytes()
     layouts = [b.layout for b in strategy.buckets]
     shard = sum(f.piece for f in layouts)
     assert shard * fake_world - psi < len(layouts) * fake_world * 16  # padding only
     bucket = 2 * 2 * max(f.padded for f in layouts)  # the two reduce-scatter buffers, taken in turn
     steps = 4 * len(strategy.optimizer.state)  # Adam's step counters
+    assert held == 16 * shard + bucket + steps
     report = strategy.memory_report()
+    assert report.device_total == held
     assert report.device == {"params": 2 * shard, "grads": 2 * shard + bucket, "master": 4 * shard,
                              "optimizer": 8 * shard + steps, "buffers": 0}
     assert all(b.gathered.untyped_storage().nbytes() == 0 for b in strategy.buckets)  # nothing left gathered
