@@ -59,6 +59,19 @@ def _step(module: torch.nn.Module, batch: tuple) -> tuple[float, dict[str, torch
     return loss.item(), {n: p.grad.clone() for n, p in module.named_parameters()}, meter.bytes
 
 
+def _kept_by_forward(base: torch.nn.Module, mode: str, batch: tuple) -> int:
+    """The bytes a training forward allocates and has not freed when it returns (what backward will use), by the
+    profiler's memory events: every allocation and free inside the forward, summed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    module = copy.deepcopy(base)
+    apply_activation_checkpointing(module, mode)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss = module.training_step(batch, 0)["loss"]
+    loss.backward()
+    return sum(event.self_cpu_memory_usage for event in prof.events())
+
+
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 def test_every_mode_gives_the_gradients_of_no_checkpointing(model):
     base = _gpt(vocab_size=128, block_size=32, n_embd=64, n_head=4) if model == "gpt" else _llama()
@@ -94,6 +107,11 @@ def test_selective_memory_is_between_full_and_none_as_derived(attention):
     softmax = 0 if flash else 4 * A * S * S * B  # the math kernel's s x s softmax, kept by none
     # per block: selective keeps 40 sbh (bytes, fp32) more than full, the matmuls' and attention's outputs
     assert saved["selective"] - saved["full"] == L * (40 * SBH + lse)
+    # the same, measured without the meter (which selective's policy tells what it keeps): the bytes the forward
+    # allocates and leaves allocated for backward, from torch's profiler
+    with sdpa_kernel(attention):
+        kept = {mode: _kept_by_forward(base, mode, batch) for mode in ("full", "selective")}
+    assert kept["selective"] - kept["full"] == L * (40 * SBH + lse)
     # and recomputes the LayerNorms' outputs (2 x 4 sbh), their mean and rstd (16 sb), the GELU's output (16 sbh)
     # and, with the math kernel, the softmax the paper's selective recomputation is about
     assert saved[None] - saved["selective"] == L * (20 * SBH + 16 * SB + softmax)
