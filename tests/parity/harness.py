@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -102,6 +103,7 @@ class Case:
     probe_grads: bool = True  # read full gradients before every step (False: no hook needs them, and a strategy
     # that can step during backward does: zero_offload's overlapped host step)
     sends_twice: bool = False  # a guard: every reduce-scatter and all-gather is sent a second time (on copies)
+    watch_saved: bool = False  # measure the bytes autograd holds for backward (HeldActivations): peaks' "held"
 
     def replicas(self, world_size: int) -> int:
         """Data-parallel replicas: the ranks of one pipeline, of one tensor-parallel and of one context-parallel group
@@ -188,6 +190,72 @@ def _send_twice(comm: Any) -> None:
             return real(output, input, *args, **kwargs)
 
         setattr(comm, kind, twice)
+
+
+class _Held:
+    """What a saved tensor is packed into: autograd drops it when it frees the saved tensor."""
+
+    __slots__ = ("__weakref__", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, (list, tuple)):
+        return [t for b in batch for t in _tensors(b)]
+    if isinstance(batch, dict):
+        return [t for b in batch.values() for t in _tensors(b)]
+    return []
+
+
+class HeldActivations(Callback):
+    """The bytes autograd holds for backward, measured: while training, every tensor saved for backward is packed
+    into an object with a finalizer, so the bytes count from the pack until autograd frees the saved tensor (a
+    micro-batch's after its backward), each storage once; ``peak`` is the most held at any moment, parameters and
+    the batch (alive for the whole step whatever the schedule) excluded. It knows nothing of schedules: it sees what
+    is alive, not what a strategy says it keeps."""
+
+    def __init__(self) -> None:
+        self.live = self.peak = 0
+        self._count: dict[int, int] = {}
+        self._exclude: set[int] = set()
+        self._hooks: Any = None
+
+    def on_train_start(self, trainer, module) -> None:
+        self._exclude = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        self._exclude |= {t.untyped_storage().data_ptr() for t in _tensors(batch)}  # the batch is no activation
+
+    def on_train_end(self, trainer, module) -> None:
+        self._hooks.__exit__(None, None, None)
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        key = tensor.untyped_storage().data_ptr()
+        if key in self._exclude or not tensor.untyped_storage().nbytes():
+            return tensor
+        self._count[key] = self._count.get(key, 0) + 1
+        if self._count[key] == 1:
+            self.live += tensor.untyped_storage().nbytes()
+            self.peak = max(self.peak, self.live)
+        held = _Held(tensor)
+        weakref.finalize(held, self._release, key, tensor.untyped_storage().nbytes())
+        return held
+
+    @staticmethod
+    def _unpack(held: Any) -> torch.Tensor:
+        return held.tensor if isinstance(held, _Held) else held
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self._count[key] -= 1
+        if not self._count[key]:
+            del self._count[key]
+            self.live -= nbytes
 
 
 class LossProbe(Probe):
@@ -286,13 +354,15 @@ def run_case(case: Case, world_size: int, per_rank_batch: int, accelerator: str)
     val_data = (TokenWindows(MarkovChain(16, 0.5, seed=3).sample(13, 17, seed=5)) if tokens
                 else regression_data(13, seed=5))
     val = DataLoader(val_data, batch_size=per_rank_batch) if case.validate else None
+    held = HeldActivations() if case.watch_saved else None
     trainer = Trainer(
         accelerator=accelerator,
         activation_checkpointing=[Block] if case.checkpointing is True else case.checkpointing or None,
         val_check_interval=5 if case.validate else None,
         strategy=strategy, precision=case.precision, accumulate_grad_batches=case.accumulate, compile=case.compile,
         gradient_clip_val=case.clip, gradient_clip_algorithm=case.clip_algorithm, max_steps=case.steps, seed=0,
-        logger=False, enable_progress_bar=False, enable_checkpointing=False, num_sanity_val_steps=0, callbacks=[probe],
+        logger=False, enable_progress_bar=False, enable_checkpointing=False, num_sanity_val_steps=0,
+        callbacks=[probe] + ([held] if held is not None else []),
         timeout_s=120,
         default_root_dir=tempfile.gettempdir(),
     )
@@ -308,7 +378,8 @@ def run_case(case: Case, world_size: int, per_rank_batch: int, accelerator: str)
         metrics["buffer_spread"] = max(float((theirs[n] - b).abs().max()) for theirs in everyone
                                        for n, b in buffers.items())
     schedule = capability(strategy, RunsSchedule)
-    peaks = strategy.all_gather_object(schedule.activation_peak if schedule is not None else {})
+    peak = dict(schedule.activation_peak) if schedule is not None else {}
+    peaks = strategy.all_gather_object(peak | ({"held": held.peak} if held is not None else {}))
     graphs = [*probe.graphs_after_first_step, compiled_graphs()] if case.compile else []
     return Result(probe.losses, probe.grads, params, probe.comm, psi, metrics, peaks,
                   getattr(capability(strategy, StepsInBackward), "steps_in_backward", 0),

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils._pytree import tree_leaves
 
 from trainkit_strategies import state as st
 from trainkit_strategies.auxiliary import attached, collecting, with_auxiliary
@@ -290,7 +291,9 @@ class Pipeline(RunsSchedule):
                         self._recv_f[c].post(keys[order[at + 1]], order[at + 1])  # type: ignore[union-attr]
                 elif kind == "F":
                     x = inputs[key] if k else model_input(module, chunks[mb])
-                    meter = ActivationMeter(self._stage.parameters()) if self.measure_activations else None
+                    batch_tensors = [t for t in tree_leaves(chunks[mb]) if isinstance(t, Tensor)]  # no activations:
+                    meter = ActivationMeter([*self._stage.parameters(), *batch_tensors]) \
+                        if self.measure_activations else None  # the batch is alive for the step under any schedule
                     with self.engine.forward_context(), self.around(), collecting() as auxiliary, \
                             meter or contextlib.nullcontext():
                         out = self._stage.chunks[c](x)
