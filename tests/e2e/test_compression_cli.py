@@ -71,14 +71,22 @@ def test_resume_after_compression_started_is_bitwise_identical(strategy, method,
         assert torch.equal(full[key], resumed[key]), key
 
 
-def test_onebit_checkpoint_resumes_at_another_world_size_with_fresh_errors(tmp_path):
+def test_onebit_checkpoint_resumes_at_another_world_size_without_the_old_ranks_errors(tmp_path):
+    """Two ranks' error feedback (live: compression had started) is not carried into one rank's run: it resumes,
+    says so, trains to step 12, and its checkpoint holds no rank-local state (one rank compresses nothing)."""
     fit(tmp_path, "ddp", devices=2, max_steps=10, batch=32, extra=ONEBIT)
+    before = tensors(tmp_path / "checkpoints" / "epoch=0-step=10", "local/")
+    assert {k.split("/")[2] for k in before} == {"rank0", "rank1"} and all(v.abs().sum() > 0 for v in before.values())
+    shared = {k for k in tensors(tmp_path / "checkpoints" / "epoch=0-step=10") if not k.startswith("local/")}
     proc = _cli(tmp_path, "--trainer.devices", "1", "--trainer.max_steps", "12", "--data.batch_size", "64",
                 "--data.train_sequences", "640", "--data.val_sequences", "64", "--model.bias", "false",
                 "--model.max_steps", "20", *ONEBIT, "--ckpt_path", "last")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "another world size" in proc.stderr
-    assert (tmp_path / "checkpoints" / "last").exists() or any((tmp_path / "checkpoints").glob("*step=12"))
+    assert "holds rank-local state (compression error feedback) for another world size" in proc.stderr
+    latest = tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text()
+    assert latest.name.endswith("step=12")
+    assert tensors(latest, "local/") == {}
+    assert set(tensors(latest)) == shared  # the model and optimizer state, whole
 
 
 def test_onebit_adam_under_a_sharded_strategy_names_the_fix(tmp_path):
