@@ -218,10 +218,10 @@ def train_plain(module: nn.Module, data: Any, *, batch_size: int, steps: int, pr
                         g.mul_(coef)
                 else:
                     torch.nn.utils.clip_grad_value_(params, clip)
-            if scaler is not None:
+            if scaler is not None and variant != "no_unscale":
                 scaler.step(optimizer)
                 scaler.update()
-            else:
+            else:  # (no_unscale: scaler.step would unscale what was left scaled; the optimizer steps on it as it is)
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if scheduler is not None and interval == "step":

@@ -39,15 +39,14 @@ def _batch(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, 16, (n, 64), generator=gen), torch.randint(0, 16, (n, 64), generator=gen)
 
 
-def _measured(name: str, world: int, rank: int, precision: str) -> tuple[int, int, int]:
+def _measured(name: str, world: int, rank: int, precision: str, alive: Alive) -> tuple[int, int, int]:
     """The bytes of ``name`` at the peak of a real step (after the update, before ``zero_grad``) as ``rank`` of
     ``world`` (torch's fake process group stands in for the other ranks and moves no data): every storage that came
-    to life since before the model was built and is still held, found by a sweep of the garbage collector's objects;
-    and the device and host bytes ``memory_report()`` gives."""
+    to life since ``alive`` was entered (before any model was built) and is still held, found by a sweep of the
+    garbage collector's objects; and the device and host bytes ``memory_report()`` gives."""
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        with Alive() as alive:
-            return _step_and_report(name, world, rank, precision, alive)
+        return _step_and_report(name, world, rank, precision, alive)
     finally:
         dist.destroy_process_group()
 
@@ -69,7 +68,9 @@ def _step_and_report(name: str, world: int, rank: int, precision: str, alive: Al
     strategy.reduce_gradients(1.0)
     strategy.optimizer_step()
     report = strategy.memory_report()  # at the step's peak: gradients still held (zero_grad frees some)
-    return alive.bytes(), report.device_total, report.host_total
+    held = alive.bytes()
+    strategy.teardown()  # as the Trainer does after fit: nothing of this strategy outlives it
+    return held, report.device_total, report.host_total
 
 
 @pytest.mark.parametrize("fake_world", [2, 4], ids=["W2", "W4"])
@@ -79,13 +80,14 @@ def test_estimated_model_state_equals_what_every_strategy_holds(fake_world, prec
     counted that is not there, changes the sum); how they divide between device and host (both are this machine's
     memory here) against ``memory_report()``, which places each tensor."""
     planned = estimate(_gpt("meta"), _batch(), world_size=fake_world, precision=precision)
-    for name in STRATEGIES:
-        row = planned.row(name)
-        ranks = range(fake_world) if name == "pipeline" else [1]  # the estimate reports the heaviest rank
-        alive, device, host = max(_measured(name, fake_world, rank, precision) for rank in ranks)
-        assert row.device + row.host == alive, f"{name}: estimated {row.device + row.host} B, alive {alive} B"
-        assert (row.device, row.host) == (device, host), f"{name}: estimated {(row.device, row.host)}"
-        print(f"{name} W={fake_world} {precision}: device {row.device} B, host {row.host} B, alive {alive} B")
+    with Alive() as swept:  # each strategy's storages are freed with it, before the next is built
+        for name in STRATEGIES:
+            row = planned.row(name)
+            ranks = range(fake_world) if name == "pipeline" else [1]  # the estimate reports the heaviest rank
+            alive, device, host = max(_measured(name, fake_world, rank, precision, swept) for rank in ranks)
+            assert row.device + row.host == alive, f"{name}: estimated {row.device + row.host} B, alive {alive} B"
+            assert (row.device, row.host) == (device, host), f"{name}: estimated {(row.device, row.host)}"
+            print(f"{name} W={fake_world} {precision}: device {row.device} B, host {row.host} B, alive {alive} B")
 
 
 @pytest.mark.parametrize("precision", ["32", "bf16-mixed"])
