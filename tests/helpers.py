@@ -305,3 +305,21 @@ def quiet_trainer(tmp_path: Any, **kwargs: Any) -> tk.Trainer:
 
 def loader(dataset: Dataset, batch_size: int, shuffle: bool = False) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle)
+
+
+def step_as_rank_1(strategy: Any, model: nn.Module, world: int, precision: str = "bf16-mixed") -> Any:
+    """``strategy`` set up on ``model`` (AdamW groups) as rank 1 of ``world`` (under a fake process group), after one
+    step on a random batch of 4 and ``zero_grad``: what a rank holds between steps."""
+    from trainkit_strategies import Environment, Precision
+
+    strategy.setup_environment(Environment(rank=1, world_size=world))
+    strategy.setup(model, adamw_groups(model), Precision.from_name(precision))
+    with strategy.forward_context():
+        loss = model(torch.randn(4, model[0].in_features)).float().square().mean()
+    strategy.backward(loss)
+    del loss
+    strategy.reduce_gradients(1.0 / world)
+    strategy.optimizer_step()
+    strategy.zero_grad()
+    return strategy
+

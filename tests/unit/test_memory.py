@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from tests.helpers import adamw_groups
+from tests.helpers import step_as_rank_1
 from tests.measure import Alive
-from trainkit_strategies import Environment, Precision, get_strategy
+from trainkit_strategies import get_strategy
 from trainkit_strategies.flat import ALIGN
 
 
@@ -35,16 +35,7 @@ def _stepped(name: str, world: int, precision: str = "bf16-mixed"):
     with Alive() as alive:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(96, 320), nn.GELU(), nn.Linear(320, 96))
-        strategy = get_strategy(name)
-        strategy.setup_environment(Environment(rank=1, world_size=world))
-        strategy.setup(model, adamw_groups(model), Precision.from_name(precision))
-        with strategy.forward_context():
-            loss = model(torch.randn(4, 96)).float().square().mean()
-        strategy.backward(loss)
-        del loss
-        strategy.reduce_gradients(1.0 / world)
-        strategy.optimizer_step()
-        strategy.zero_grad()
+        strategy = step_as_rank_1(get_strategy(name), model, world, precision)
         return strategy, alive.bytes()
 
 

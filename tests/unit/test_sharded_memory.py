@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from tests.helpers import adamw_groups
+from tests.helpers import step_as_rank_1
 from tests.measure import Alive
 from trainkit_strategies import Environment, Precision, get_strategy
 
@@ -39,16 +39,7 @@ def test_model_state_is_16psi_over_n(fake_world, name):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(96, 320), nn.GELU(), nn.Linear(320, 320), nn.GELU(), nn.Linear(320, 96))
         psi = sum(p.numel() for p in model.parameters())
-        strategy = get_strategy(name, **OPTIONS[name])
-        strategy.setup_environment(Environment(rank=1, world_size=fake_world))
-        strategy.setup(model, adamw_groups(model), Precision.from_name("bf16-mixed"))
-        with strategy.forward_context():
-            loss = model(torch.randn(4, 96)).float().square().mean()
-        strategy.backward(loss)
-        del loss
-        strategy.reduce_gradients(1.0 / fake_world)
-        strategy.optimizer_step()
-        strategy.zero_grad()
+        strategy = step_as_rank_1(get_strategy(name, **OPTIONS[name]), model, fake_world)
         held = alive.bytes()
     layouts = [b.layout for b in strategy.buckets]
     shard = sum(f.piece for f in layouts)
@@ -102,7 +93,7 @@ def test_offloaded_fp32_shards_do_not_keep_their_units_alive(name):
     of the unit's fp32 buffer (``.to()`` returns a view when the dtype is already right, which kept every unit whole
     on every GPU). Set up as on a GPU: ``meta`` stands in for it, host memory on the CPU."""
     from tests.simworld import META, SimWorld, on_device
-    from trainkit_strategies import Environment, Precision, get_strategy
+    from trainkit_strategies import get_strategy
 
     world = SimWorld(2)
 
