@@ -30,6 +30,7 @@ from trainkit.demo.gpt import DemoGPT
 from trainkit.errors import ConfigurationError
 from trainkit.estimate import NoBatch, estimate, one_batch
 from trainkit.export import export
+from trainkit.finite import NonFiniteError
 from trainkit.module import TrainModule
 from trainkit.seed import seed_everything
 from trainkit.signals import PREEMPTED_EXIT_CODE, Preempted
@@ -291,6 +292,11 @@ def main(model_class: type[TrainModule] | None = None, datamodule_class: type[Da
         sys.exit(2)
     except (PeerError, CheckpointError) as err:
         print(f"trainkit: error (rank {trainer.global_rank}): {err}", file=sys.stderr)
+        sys.exit(1)
+    except NonFiniteError as err:  # raised alike on every rank: said once
+        if trainer.is_global_zero:
+            print(f"trainkit: error: {err}", file=sys.stderr, flush=True)
+        launcher.wait_children()
         sys.exit(1)
     except Preempted as stop:
         print(f"trainkit: rank {trainer.global_rank} {stop}", file=sys.stderr, flush=True)

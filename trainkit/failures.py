@@ -7,6 +7,7 @@ from pathlib import Path
 
 from trainkit import launcher, resume
 from trainkit.errors import ConfigurationError
+from trainkit.finite import NonFiniteError
 from trainkit.signals import Preempted
 from trainkit_strategies.comm import Comm, PeerError, peer_failure
 
@@ -17,7 +18,7 @@ def leave_the_ranks(exc: BaseException, comm: Comm, world_size: int, checkpoint_
     in ``exc``'s place, if any: a ``PeerError`` naming the dead peer whose silence made this rank's wait fail, with
     the way to resume."""
     error = exc
-    if isinstance(exc, ConfigurationError):  # every rank raises it alike: nobody to warn, nothing to abort
+    if isinstance(exc, ConfigurationError | NonFiniteError):  # every rank raises it alike: nothing to abort
         return None
     if world_size > 1:
         failure = peer_failure()

@@ -263,6 +263,7 @@ class FitLoop:
             if self.strategy.is_global_zero:
                 print(f"{STEPS_CAP}={cap}: this fit stops after {cap} step(s), at step {self.stop_at}, and each "
                       "evaluation reads at most that many batches.", flush=True)
+        self.step.guard.last_step = self.progress.global_step
         self.hooks("on_fit_start")
         sanity = self.config.num_sanity_val_steps
         if sanity and self.validates:
@@ -271,6 +272,7 @@ class FitLoop:
         while not self.done:
             self.run_epoch()
         self.strategy.settle()
+        self.step.guard.agree()  # a run that went non-finite ends with the error, before the last checkpoint
         self.hooks("on_train_end")
         self.hooks("on_fit_end")
 
@@ -350,9 +352,11 @@ class FitLoop:
         if stepped is None:
             return False
         p.global_step += 1
+        self.step.guard.end_step(p.global_step)
         if stepped:  # a step skipped for overflow does not advance the LR schedule
             self.step.step_scheduler("step", p.global_step, self._metrics)
         if p.global_step % c.log_every_n_steps == 0:
+            self.step.guard.read()  # a logging step waits for the device anyway
             self.emit(self.results.step_metrics())
         counted = p.total_batches if c.check_val_every_n_epoch is None else batch_idx
         if counted // val_every > p.val_marker and self._validation_epoch():

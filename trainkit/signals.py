@@ -5,11 +5,11 @@ ahead of time). During ``fit`` trainkit turns either signal, on any rank, into o
 by every rank at a step boundary and an exit with ``PREEMPTED_EXIT_CODE`` (75, ``EX_TEMPFAIL``: try
 again); running the same command again with ``ckpt_path="last"`` continues exactly.
 
-A signal reaches one rank, but the decision must be the same on all of them, so at every boundary the
-ranks all-reduce two flags on a control-plane group (``Comm.control``): "a signal arrived here" and
-"my file of the pending asynchronous checkpoint is durable". The reduce is asynchronous: it is posted
-at one boundary and read at the next, so it costs no waiting, and the agreed decision comes one
-step after the flag was raised (at once on a single process).
+A signal reaches one rank, but the decision must be the same on all of them, so at every boundary the ranks
+all-reduce three flags on a control-plane group (``Comm.control``): "a signal arrived here", "my file of the
+pending asynchronous checkpoint is durable" and "I saw a non-finite loss" (``finite.py``). The reduce is
+asynchronous: it is posted at one boundary and read at the next, so it costs no waiting, and the agreed
+decision comes one step after the flag was raised (at once on a single process).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class StepSignals:
         self.signal_name = ""
         self._previous: dict[int, Any] = {}
         self._handle: Handle | None = None
-        self._flags = torch.zeros(2, dtype=torch.int32, device="cpu")
+        self._flags = torch.zeros(3, dtype=torch.int32, device="cpu")
         self._serial = 0  # the asynchronous save the posted flags are about
 
     def install(self) -> None:
@@ -76,18 +76,21 @@ class StepSignals:
             self._handle.wait()
         self._handle = None
 
-    def poll(self, saver: AsyncSaver) -> tuple[bool, bool]:
-        """At a boundary (every rank): whether every rank should stop for preemption, and whether every rank's
-        file of the pending asynchronous save is durable (the save can be committed)."""
+    def poll(self, saver: AsyncSaver, nonfinite: bool = False) -> tuple[bool, bool, bool]:
+        """At a boundary (every rank): whether every rank should stop for preemption, whether every rank's file of
+        the pending asynchronous save is durable (the save can be committed), and whether a rank saw a non-finite
+        loss or gradient norm (``nonfinite`` here: every rank stops)."""
         if not self.control.active:
-            return self.requested, saver.written
-        preempt = written = False
+            return self.requested, saver.written, nonfinite
+        preempt = written = found = False
         if self._handle is not None:
             self._handle.wait()
             preempt = bool(self._flags[0] > 0)
             written = bool(self._flags[1] == self.control.world_size) and saver.pending \
                 and self._serial == saver.serial
-        self._flags = torch.tensor([int(self.requested), int(saver.written)], dtype=torch.int32, device="cpu")
+            found = bool(self._flags[2] > 0)
+        self._flags = torch.tensor([int(self.requested), int(saver.written), int(nonfinite)], dtype=torch.int32,
+                                   device="cpu")
         self._serial = saver.serial
         self._handle = self.control.all_reduce(self._flags, async_op=True)
-        return preempt, written
+        return preempt, written, found

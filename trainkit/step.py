@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from trainkit.dispatch import HookDispatch
+from trainkit.finite import FiniteGuard
 from trainkit.hooks import StepTiming
 from trainkit.optim import OptimizerConfig
 from trainkit.utils import infer_batch_size
@@ -84,12 +85,16 @@ class OptimizerStep:
             ``training_step`` runs to log it).
         equal_batches: every rank's micro-batches hold as many samples as this rank's (the data comes through
             trainkit's sampler), so a plain loss's sample total needs no communication.
+        guard: notices non-finite losses and gradient norms (``finite.py``), and under ``on_nonfinite="skip"``
+            decides which steps are skipped.
     """
 
     def __init__(self, strategy: Strategy, config: StepConfig, precision: Precision,
                  hooks: HookDispatch, optimizers: OptimizerConfig | None = None,
-                 log_loss: Callable[[Tensor], None] | None = None, equal_batches: bool = False) -> None:
+                 log_loss: Callable[[Tensor], None] | None = None, equal_batches: bool = False,
+                 guard: FiniteGuard | None = None) -> None:
         self.strategy, self.config, self.precision, self.hooks = strategy, config, precision, hooks
+        self.guard = guard if guard is not None else FiniteGuard(strategy, "stop", 1, 50)
         self.optimizers, self.log_loss = optimizers, log_loss
         self.equal_batches = equal_batches  # every rank's batches hold as many samples (trainkit's sampler)
         self.k = config.accumulate_grad_batches
@@ -157,6 +162,7 @@ class OptimizerStep:
         for fn in self.hooks.fns("on_after_backward"):
             fn()
         self.last_loss = loss.detach()
+        self.guard.add_loss(self.last_loss)
         self.window += 1
         return outputs
 
@@ -179,6 +185,8 @@ class OptimizerStep:
             fn()
         self._count = self._count + items
         self.last_loss = loss
+        if isinstance(loss, Tensor):
+            self.guard.add_loss(loss)
         if self.log_loss is not None:
             self.log_loss(loss)
         self.window += 1
@@ -205,15 +213,20 @@ class OptimizerStep:
         strategy.reduce_gradients(scale)
         optimizer = strategy.optimizer
         skip, norm = self.precision.skips_step(strategy.grad_norm)  # a global norm: every rank decides alike
+        guard = self.guard
+        if not skip and not guard.records:  # on_nonfinite="skip"
+            norm = strategy.grad_norm() if norm is None else norm
+            skip = guard.skip_step(norm)
         if not skip:
             for fn in self.hooks.fns("on_before_optimizer_step"):
                 fn(optimizer)
             clip = self.config.gradient_clip_val
             if clip is not None:
                 if self.config.gradient_clip_algorithm == "norm":
-                    strategy.clip_grad_norm(clip, norm=norm)
+                    norm = strategy.clip_grad_norm(clip, norm=norm)
                 else:
                     strategy.clip_grad_value(clip)
+            guard.add_norm(norm)
             strategy.optimizer_step()
         for fn in self.hooks.fns("on_before_zero_grad"):
             fn(optimizer)

@@ -12,10 +12,8 @@ from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
 from torch import nn
 from torch.utils.data import DataLoader
 
-from trainkit import checkpoint as ckpt
 from trainkit import launcher, resume, transforms
 from trainkit.activation import resolve_mode
-from trainkit.async_checkpoint import AsyncSaver
 from trainkit.auto import choose_strategy
 from trainkit.callbacks.base import Callback
 from trainkit.callbacks.checkpointing import ModelCheckpoint
@@ -33,8 +31,8 @@ from trainkit.module import TrainModule
 from trainkit.optim import OptimizerConfig, parse_optimizers
 from trainkit.properties import TrainerProperties
 from trainkit.results import Results
-from trainkit.seed import rng_state, seed_everything
-from trainkit.signals import Preempted, StepSignals
+from trainkit.saving import Saving
+from trainkit.seed import seed_everything
 from trainkit.step import OptimizerStep, StepConfig
 from trainkit.utils import model_summary, print_results, tensor_cores_idle
 from trainkit.work import show_progress
@@ -94,6 +92,11 @@ class Trainer(TrainerProperties):
             was killed or froze; NCCL does not notice one by itself); 0 turns the heartbeat off.
         device_memory: memory of one device that ``strategy="auto"`` plans against, in bytes or as "80GB"
             (default: the GPU's total memory; on the CPU, the machine's memory divided among its ranks).
+        on_nonfinite: what a NaN or infinite loss or gradient norm on any rank does: "stop" ends the run with an error
+            naming the step (no checkpoint is written from it; the last one stays ``latest``); "skip" skips that
+            optimizer step (every rank alike; one host synchronisation per step, to read the norm) and stops after
+            ``max_nonfinite_skips`` in a row.
+        max_nonfinite_skips: under ``on_nonfinite="skip"``, optimizer steps in a row that may be skipped.
         float32_matmul_precision: "highest", "high" or "medium": ``torch.set_float32_matmul_precision`` for the run.
             "high" lets fp32 matrix products use TF32 tensor cores (Ampere and newer GPUs; about 7x the plain fp32
             rate on an H100, with a 10-bit mantissa for the products' inputs). None leaves torch's setting, and on
@@ -141,6 +144,8 @@ class Trainer(TrainerProperties):
         peer_timeout_s: float = 15.0,
         device_memory: str | int | None = None,
         float32_matmul_precision: str | None = None,
+        on_nonfinite: Literal["stop", "skip"] = "stop",
+        max_nonfinite_skips: int = 10,
     ) -> None:
         if accumulate_grad_batches < 1:
             raise ValueError(f"accumulate_grad_batches must be >= 1; got {accumulate_grad_batches}.")
@@ -172,8 +177,7 @@ class Trainer(TrainerProperties):
             rank_zero_warn(f"fp32 matrix products run without the tensor cores of {torch.cuda.get_device_name()}: pass "
                            "float32_matmul_precision='high' (--trainer.float32_matmul_precision high) to run them in "
                            "TF32, or use precision='bf16-mixed'.")
-        self.signals = StepSignals(self.strategy.comm.control())  # preemption and checkpoint progress
-        self.saver = AsyncSaver()  # the asynchronous checkpoint in flight, if any
+        self.saving = Saving(self.strategy, on_nonfinite, max_nonfinite_skips)  # checks and writes checkpoints
         launcher.joined()
 
         self.fast_dev_run = int(fast_dev_run)
@@ -302,31 +306,15 @@ class Trainer(TrainerProperties):
         appears once every rank's file is durable, at a later step boundary, and ``on_commit(path)`` runs then.
         A save waits for the one before it."""
         assert self.module is not None and self._hooks is not None, "save_checkpoint runs during fit"
-        meta = resume.checkpoint_meta(self._states(), self.module, self.strategy, self.precision.name,
-                                      lambda user: self._hooks("on_save_checkpoint", user))  # type: ignore[misc]
-        pieces, rank_state = self.strategy.state_pieces(), {"rng": rng_state()}
-        if async_save:
-            self.saver.start(Path(dirpath), name, self.strategy, meta, pieces, rank_state, update_latest, on_commit)
-            return Path(dirpath) / name
-        self.saver.finish(self.strategy)
-        path = ckpt.save(dirpath, name, self.strategy, meta, pieces, rank_state, update_latest)
-        if on_commit is not None:
-            on_commit(path)
-        return path
+        module, hooks = self.module, self._hooks
+        return self.saving.save(self.strategy, lambda: resume.checkpoint_meta(
+            self._states(), module, self.strategy, self.precision.name, lambda user: hooks("on_save_checkpoint", user)),
+            dirpath, name, update_latest, async_save, on_commit)
 
     def _at_boundary(self) -> None:
-        """After every optimizer step, on every rank: commit a durable asynchronous checkpoint; on preemption,
-        save and stop."""
-        preempt, written = self.signals.poll(self.saver)
-        if written:
-            self.saver.commit(self.strategy)
-        if preempt:
-            callback = self.checkpoint_callback
-            if callback is not None:
-                path = callback.save(self, wait=True)
-            else:
-                path = self.save_checkpoint(self.checkpoint_dir, f"preempted-step={self.global_step}")
-            raise Preempted(self.global_step, path)
+        callback = self.checkpoint_callback
+        self.saving.at_boundary(self.strategy, self.global_step, lambda: callback.save(self, wait=True) if callback
+                                else self.save_checkpoint(self.checkpoint_dir, f"preempted-step={self.global_step}"))
 
     def resolve_ckpt_path(self, ckpt_path: str | Path) -> Path | None:
         """The checkpoint ``ckpt_path`` ("last", a checkpoint, or a directory with ``latest``) names."""
@@ -374,10 +362,11 @@ class Trainer(TrainerProperties):
             config = self._loop_config()
             self.evaluation = EvalLoop(config, self.strategy, hooks, self.results, self.data, self._emit)
             if fn == "fit":
+                guard = self.saving.begin_fit(self.strategy, self.log_every_n_steps, lambda: self.checkpoint_dir)
                 step = OptimizerStep(self.strategy, StepConfig(self.accumulate_grad_batches, self.gradient_clip_val,
                                                                self.gradient_clip_algorithm),
                                      self.precision, hooks, self.optimizer_config, loss_logger(self.results),
-                                     equal_batches=self.data.equal_batches)
+                                     equal_batches=self.data.equal_batches, guard=guard)
                 self.fit_loop = FitLoop(config, self.progress, module, self.strategy, step, hooks, self.results,
                                         self.data, self.evaluation, self._emit, self._at_boundary)
             path = self.resolve_ckpt_path(ckpt_path) if ckpt_path is not None else None
@@ -394,9 +383,9 @@ class Trainer(TrainerProperties):
             if fn == "fit":
                 assert self.fit_loop is not None
                 self._log_hyperparams()
-                self.signals.install()
+                self.saving.signals.install()
                 self.fit_loop.run()
-                self.saver.finish(self.strategy)  # the last asynchronous checkpoint is committed when fit returns
+                self.saving.saver.finish(self.strategy)  # the last asynchronous checkpoint is committed as fit returns
                 return None
             if fn == "predict":
                 return self.evaluation.predict(module, self.data.val_dataloaders, self.limit_predict_batches)
@@ -417,7 +406,7 @@ class Trainer(TrainerProperties):
             raise
         finally:
             failing = sys.exc_info()[0] is not None
-            self.signals.uninstall(clean=not failing)
+            self.saving.signals.uninstall(clean=not failing)
             hooks("teardown", fn)
             if self.datamodule is not None:
                 self.datamodule.teardown(fn)

@@ -48,3 +48,20 @@ class BrokenModel(DemoGPT):
     def configure_model(self) -> None:
         super().configure_model()
         raise ValueError("a bug in the user's model")
+
+
+class NonFiniteAt(DemoGPT):
+    """Rank ``rank`` (-1: every rank) makes its loss NaN (``what="loss"``), its input batch NaN (``"input"``: the
+    embedding is replaced by NaN), or infinite (``"inf"``) when training reaches optimizer step ``step`` (1-based:
+    the step being taken)."""
+
+    def __init__(self, rank: int = -1, step: int = 3, what: str = "loss", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fault = (rank, step, what)
+
+    def training_step(self, batch, batch_idx):
+        rank, step, what = self.fault
+        out = super().training_step(batch, batch_idx)
+        if rank in (-1, self.global_rank) and self.global_step + 1 == step:
+            out["loss"] = out["loss"] * (float("inf") if what == "inf" else float("nan"))
+        return out

@@ -85,8 +85,9 @@ def test_the_default_job_never_waits_for_the_device_between_logging_steps(tmp_pa
     with built, rules:  # checkpoints are written at epoch and run ends, not in the steps counted here
         trainer.fit(DemoGPT(max_steps=30), datamodule=MarkovData(train_sequences=2048))
     assert sorted(tally.steps) == list(range(1, 31))
-    steady = {step: found for step, found in tally.steps.items() if step > 1 and step % 25}
-    assert len(steady) == 28
+    # the first step sets up; the logging step (25) and the end of fit (30) read what the steps left on the device
+    steady = {step: found for step, found in tally.steps.items() if 1 < step < 30 and step % 25}
+    assert len(steady) == 27
     assert all(not found for found in steady.values()), {s: f for s, f in steady.items() if f}
     assert tally.steps[25], "the logging step reads its metrics: the census sees host reads"
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from trainkit.callbacks.base import Callback
+from trainkit.finite import NonFiniteError
 from trainkit.signals import Preempted
 
 if TYPE_CHECKING:
@@ -124,8 +125,8 @@ class ModelCheckpoint(Callback):
                 rank_zero_warn(f"ModelCheckpoint(monitor={self.monitor!r}): the metric has not been logged yet "
                                f"(logged: {sorted(metrics)}); this checkpoint is kept only as the newest.")
                 self._warned_missing = True
-            if score is not None and math.isnan(score):
-                score = None
+            if score is not None and not math.isfinite(score):
+                score = None  # never ranked: a NaN or infinite score is neither best nor worst
         score = trainer.strategy.broadcast_object(score)
         fields = {"epoch": trainer.current_epoch, "step": trainer.global_step}
         fields |= {k.replace("/", "_"): v for k, v in metrics.items()}
@@ -171,6 +172,8 @@ class OnExceptionCheckpoint(Callback):
     def on_exception(self, trainer: Trainer, module: TrainModule, exception: BaseException) -> None:
         if trainer.state != "fit" or trainer.strategy.optimizer is None or isinstance(exception, Preempted):
             return  # a preempted run has saved its checkpoint already
+        if isinstance(exception, NonFiniteError):
+            return  # its weights are not worth keeping: the last finite checkpoint stays ``latest``
         if trainer.world_size > 1 and not isinstance(exception, KeyboardInterrupt):
             return
         dirpath = self.dirpath or trainer.checkpoint_dir

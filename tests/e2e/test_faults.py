@@ -1,0 +1,82 @@
+"""Faults a user brings, driven through the CLI at 1 and 2 ranks: a run never loses what it saved.
+
+A NaN or infinite loss at step k (on one rank only, at 2 ranks) stops the run with an error naming the step; every
+checkpoint written before k stays byte-identical and finite, ``latest`` names one of them, and none is written
+from the non-finite state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import accelerator_for
+from trainkit.checkpoint import CheckpointReader, latest, listing
+
+pytestmark = pytest.mark.slow  # processes of their own (see conftest.py)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def trainkit(root: Path, devices: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [sys.executable, "-m", "trainkit.cli", "fit", "--trainer.accelerator", accelerator_for(devices),
+           "--trainer.devices", str(devices), "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
+           "--trainer.default_root_dir", str(root), "--trainer.timeout_s", "60",
+           "--data", "trainkit.demo.markov.MarkovData", "--data.train_sequences", "256", "--data.val_sequences", "32",
+           "--data.batch_size", "8", "--model.n_layer", "1", "--model.n_embd", "32", "--model.n_head", "2", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=root, env=env)
+
+
+def digests(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def all_finite(path: Path) -> bool:
+    reader = CheckpointReader(path)
+    return all(torch.isfinite(reader.full(key)).all() for key in reader.keys()
+               if reader.info(key)[1].is_floating_point)
+
+
+@pytest.mark.parametrize(("strategy", "devices", "rank", "what"), [
+    ("single", 1, -1, "loss"), ("ddp", 2, 1, "loss"), ("zero2", 2, 1, "inf"),
+])
+def test_a_nonfinite_loss_stops_the_run_and_keeps_every_finite_checkpoint(tmp_path, strategy, devices, rank, what):
+    checkpoints = tmp_path / "checkpoints"
+    base = ("--trainer.strategy", strategy, "--trainer.callbacks+=ModelCheckpoint",
+            "--trainer.callbacks.every_n_train_steps", "1", "--trainer.callbacks.save_top_k", "-1")
+    first = trainkit(tmp_path, devices, *base, "--trainer.max_steps", "3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = digests(checkpoints)
+    proc = trainkit(tmp_path, devices, *base, "--trainer.max_steps", "8", "--ckpt_path", "last",
+                    "--model", "tests.e2e.faulty.NonFiniteAt", "--model.rank", str(rank), "--model.step", "5",
+                    "--model.what", what)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    value = "nan" if what == "loss" else "inf"
+    where = f" on rank {rank}" if devices > 1 else ""
+    assert f"The loss was {value} at step 5{where}." in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert latest(checkpoints).name == "epoch=0-step=4"
+    assert [p.name for p in listing(checkpoints)] == [f"epoch=0-step={s}" for s in (1, 2, 3, 4)]
+    after = digests(checkpoints)
+    assert {k: after.get(k) for k in before if k != "latest"} == {k: v for k, v in before.items() if k != "latest"}
+    assert all(all_finite(p) for p in listing(checkpoints))
+
+
+def test_a_nonfinite_loss_on_one_rank_stops_every_rank_between_checkpoints(tmp_path):
+    """Found at a logging step on rank 1 alone; the ranks agree at the next step boundary, with no save to tell."""
+    proc = trainkit(tmp_path, 2, "--trainer.strategy", "ddp", "--trainer.max_steps", "40",
+                    "--trainer.log_every_n_steps", "4", "--model", "tests.e2e.faulty.NonFiniteAt",
+                    "--model.rank", "1", "--model.step", "6")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "The loss was nan at step 6 on rank 1." in proc.stderr, proc.stderr[-3000:]
+    assert "No checkpoint was committed before the failure." in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert listing(tmp_path / "checkpoints") == []

@@ -1,0 +1,116 @@
+"""The non-finite guard in one process: what stops, what is skipped, and that nothing non-finite is checkpointed."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers import Regression, loader, quiet_trainer, regression_data
+from trainkit.callbacks import ModelCheckpoint
+from trainkit.checkpoint import CheckpointReader, latest, listing
+from trainkit.finite import FiniteGuard, NonFiniteError
+from trainkit_strategies.registry import get_strategy
+
+
+class NanAt(Regression):
+    """The loss of step ``bad`` (1-based, one or more) is ``value``; every other step is an ordinary regression."""
+
+    def __init__(self, bad: tuple[int, ...] = (3,), value: float = math.nan, lr: float = 1e-2) -> None:
+        super().__init__(lr=lr)
+        self.bad, self.value, self.seen = bad, value, []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        if self.trainer.global_step + 1 in self.bad:
+            loss = loss * self.value
+        self.log("train_loss", loss)
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        self.seen.append(self.trainer.global_step + 1)
+
+
+def test_stop_names_the_step_and_writes_nothing_from_it(tmp_path):
+    trainer = quiet_trainer(tmp_path, max_steps=8, callbacks=[ModelCheckpoint(every_n_train_steps=1, save_top_k=-1)])
+    with pytest.raises(NonFiniteError, match=r"The loss was nan at step 3\. .*epoch=0-step=2, is intact"):
+        trainer.fit(NanAt(), loader(regression_data(), 4))
+    assert [p.name for p in listing(tmp_path / "checkpoints")] == ["epoch=0-step=1", "epoch=0-step=2"]
+    assert latest(tmp_path / "checkpoints").name == "epoch=0-step=2"
+
+
+def test_the_default_top_1_never_prunes_a_finite_checkpoint_for_a_nonfinite_one(tmp_path):
+    """Before the guard, save_top_k=1 pruned every finite checkpoint and left only the NaN one."""
+    trainer = quiet_trainer(tmp_path, max_steps=8, callbacks=[ModelCheckpoint(every_n_train_steps=1)])
+    with pytest.raises(NonFiniteError, match="at step 5"):
+        trainer.fit(NanAt(bad=(5,)), loader(regression_data(), 4))
+    kept = listing(tmp_path / "checkpoints")
+    assert [p.name for p in kept] == ["epoch=0-step=4"] and latest(tmp_path / "checkpoints") == kept[0]
+    reader = CheckpointReader(kept[0])
+    assert all(torch.isfinite(reader.full(k)).all() for k in reader.keys())
+
+
+def test_a_run_without_checkpoints_still_ends_with_the_error(tmp_path):
+    trainer = quiet_trainer(tmp_path, max_steps=6, log_every_n_steps=50)
+    with pytest.raises(NonFiniteError, match=r"The loss was inf at step 2\..*No checkpoint was committed"):
+        trainer.fit(NanAt(bad=(2,), value=math.inf), loader(regression_data(), 4))
+
+
+def test_weights_made_nonfinite_by_the_optimizer_are_never_written(tmp_path):
+    """A finite loss and gradient, an infinite learning rate: the checkpoint's own tensors are checked."""
+    trainer = quiet_trainer(tmp_path, max_steps=3, callbacks=[ModelCheckpoint(every_n_train_steps=1, save_top_k=-1)])
+    with pytest.raises(NonFiniteError, match=r"holds non-finite values \(model/net\.0\.bias"):
+        trainer.fit(NanAt(bad=(), lr=math.inf), loader(regression_data(), 4))
+    assert listing(tmp_path / "checkpoints") == []
+
+
+def test_skip_skips_the_step_and_trains_on(tmp_path):
+    module = NanAt(bad=(3, 4))
+    trainer = quiet_trainer(tmp_path, max_steps=8, on_nonfinite="skip",
+                            callbacks=[ModelCheckpoint(every_n_train_steps=1, save_top_k=-1)])
+    trainer.fit(module, loader(regression_data(), 4))
+    assert trainer.global_step == 8
+    assert module.seen == [1, 2, 5, 6, 7, 8]  # steps 3 and 4 never reached the optimizer
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert len(listing(tmp_path / "checkpoints")) == 8
+
+
+def test_skip_stops_after_too_many_in_a_row(tmp_path):
+    trainer = quiet_trainer(tmp_path, max_steps=20, on_nonfinite="skip", max_nonfinite_skips=3)
+    with pytest.raises(NonFiniteError, match=r"at step 6, the 4th optimizer step in a row skipped"):
+        trainer.fit(NanAt(bad=(3, 4, 5, 6, 7)), loader(regression_data(), 4))
+
+
+def test_a_nonfinite_monitored_score_is_never_best(tmp_path):
+    callback = ModelCheckpoint(monitor="train_loss", mode="min", every_n_train_steps=1, save_top_k=1)
+    trainer = quiet_trainer(tmp_path, max_steps=4, callbacks=[callback])
+
+    class Logs(Regression):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("train_loss", -math.inf if self.trainer.global_step == 2 else loss.detach())
+            return loss
+
+    trainer.fit(Logs(), loader(regression_data(), 4))
+    assert callback.best is not None and callback.best["step"] != 3  # -inf would have been the best "min" score
+    assert callback.best_model_path.is_dir()
+
+
+def test_the_guard_reads_its_rows_only_when_asked():
+    guard = FiniteGuard(get_strategy("single"), "stop", 1, rows=4)
+    for step, loss in enumerate([1.0, 2.0, math.inf, 3.0], start=1):
+        guard.add_loss(torch.tensor(loss))
+        guard.add_norm(torch.tensor(0.5))
+        guard.end_step(step)  # the fourth fills the buffer and reads it
+    assert guard.found == (3, "loss", math.inf)
+    other = FiniteGuard(get_strategy("single"), "stop", 1, rows=8)
+    other.last_step = 10
+    other.add_loss(torch.tensor(1.0))
+    other.add_norm(torch.tensor(math.nan))
+    other.end_step(11)
+    assert other.found is None  # not read yet: no host synchronisation
+    step, metric, value = other.read()
+    assert (step, metric) == (11, "gradient norm") and math.isnan(value)
