@@ -264,6 +264,7 @@ class FitLoop:
                 print(f"{STEPS_CAP}={cap}: this fit stops after {cap} step(s), at step {self.stop_at}, and each "
                       "evaluation reads at most that many batches.", flush=True)
         self.step.guard.last_step = self.progress.global_step
+        self._check_data()
         self.hooks("on_fit_start")
         sanity = self.config.num_sanity_val_steps
         if sanity and self.validates:
@@ -275,6 +276,31 @@ class FitLoop:
         self.step.guard.agree()  # a run that went non-finite ends with the error, before the last checkpoint
         self.hooks("on_train_end")
         self.hooks("on_fit_end")
+
+    def _check_data(self) -> None:
+        """No training batches on any rank is a configuration error, on every rank alike and before anything runs
+        (an epoch without a step would otherwise follow another, forever)."""
+        loader, limit = self.data.train_dataloader, self.config.limit_train_batches
+        n = num_batches(loader, limit)
+        strategy = self.strategy
+        counts = strategy.all_gather_object(n) if strategy.world_size > 1 else [n]
+        empty = [rank for rank, count in enumerate(counts) if count == 0]
+        if not empty:
+            return
+        if limit is not None and num_batches(loader, None) > 0:
+            why = f"limit_train_batches={limit} leaves none of its {num_batches(loader, None):.0f} batches"
+        else:
+            dataset = getattr(loader, "dataset", None)
+            size = f"{len(dataset)} samples" if hasattr(dataset, "__len__") else "its samples"
+            why = (f"its dataset of {size} makes no batch of batch_size={getattr(loader, 'batch_size', None)}"
+                   f"{' with drop_last=True' if getattr(loader, 'drop_last', False) else ''}")
+        ranks = "" if strategy.world_size == 1 else (
+            f" on rank(s) {', '.join(map(str, empty))} of {strategy.world_size}" if len(empty) < len(counts)
+            else f" on each of the {strategy.world_size} ranks")
+        raise ConfigurationError(
+            f"No training data{ranks}: the training dataloader yields no batches ({why}). Give it more samples, a "
+            "smaller batch_size, drop_last=False or a larger limit_train_batches; with use_distributed_sampler=False "
+            "every rank's own loader must yield batches.")
 
     def _validate(self, limit: int | float | None, sanity: bool = False) -> None:
         self.evaluation.run(self.module, "validate", self.data.val_dataloaders, limit, sanity=sanity)
@@ -318,6 +344,11 @@ class FitLoop:
                 self._step_ended()
         if batch_idx != p.batch_idx and self._finish_step(batch_idx, val_every):  # a window cut short by the data
             self._step_ended()
+        if batch_idx == 0 and not self.done:  # a loader without a length, found empty as it ran: alone on a rank, so
+            error = ConfigurationError if self.strategy.world_size == 1 else RuntimeError  # the others are told
+            raise error(
+                f"No training data: the training dataloader yielded no batch in epoch {p.epoch}; an epoch without a "
+                "step would follow another, forever. Check the dataset (and, over several ranks, each rank's part).")
         if self.done and batch_idx < limit:
             if self.validates and self.stop_at is not None and p.global_step >= self.stop_at:
                 self._validate(c.limit_val_batches)  # a fit cut short by TRAINKIT_MAX_STEPS validates as at its end

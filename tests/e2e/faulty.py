@@ -7,7 +7,10 @@ import signal
 import time
 from pathlib import Path
 
+from torch.utils.data import DataLoader, Subset
+
 from trainkit.demo.gpt import DemoGPT
+from trainkit.demo.markov import MarkovData
 
 
 class DiesAtStep(DemoGPT):
@@ -65,3 +68,18 @@ class NonFiniteAt(DemoGPT):
         if rank in (-1, self.global_rank) and self.global_step + 1 == step:
             out["loss"] = out["loss"] * (float("inf") if what == "inf" else float("nan"))
         return out
+
+
+class EmptyOnRank(MarkovData):
+    """Rank ``rank``'s own training loader yields nothing (for ``use_distributed_sampler=False``, where each rank
+    reads its own part)."""
+
+    def __init__(self, rank: int = 1, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.empty_rank = rank
+
+    def train_dataloader(self) -> DataLoader:
+        loader = super().train_dataloader()
+        if int(os.environ.get("RANK", "0")) != self.empty_rank:
+            return loader
+        return DataLoader(Subset(loader.dataset, []), batch_size=loader.batch_size)

@@ -80,3 +80,19 @@ def test_a_nonfinite_loss_on_one_rank_stops_every_rank_between_checkpoints(tmp_p
     assert "No checkpoint was committed before the failure." in proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert listing(tmp_path / "checkpoints") == []
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (("--trainer.limit_train_batches", "0"), "on each of the 2 ranks: the training dataloader yields no batches "
+                                            "(limit_train_batches=0 leaves none of its 16 batches)"),
+    (("--data.train_sequences", "12", "--data.batch_size", "8"), "dataset of 12 samples makes no batch of batch_size=8 "
+                                                            "with drop_last=True"),
+    (("--data", "tests.e2e.faulty.EmptyOnRank", "--data.rank", "1", "--trainer.use_distributed_sampler", "false"),
+     "No training data on rank(s) 1 of 2"),
+])
+def test_no_training_data_is_a_configuration_error_at_two_ranks(tmp_path, args, says):
+    """It used to run empty epochs forever (writing a checkpoint for each) with max_steps set."""
+    proc = trainkit(tmp_path, 2, "--trainer.strategy", "ddp", "--trainer.max_steps", "5", *args, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert listing(tmp_path / "checkpoints") == []
