@@ -10,13 +10,21 @@ all-reduce three flags on a control-plane group (``Comm.control``): "a signal ar
 pending asynchronous checkpoint is durable" and "I saw a non-finite loss" (``finite.py``). The reduce is
 asynchronous: it is posted at one boundary and read at the next, so it costs no waiting, and the agreed
 decision comes one step after the flag was raised (at once on a single process).
+
+A step may never come (a hung data loader, a user step that waits forever, a validation longer than the job's
+notice): if no step boundary follows the signal within ``stop_grace_s()`` (20 s, or three times the longest step
+seen, whichever is longer), the rank says so and exits with the same code, without a new checkpoint; the last
+committed one is intact.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
+import time
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -26,6 +34,14 @@ from trainkit.async_checkpoint import AsyncSaver
 from trainkit_strategies.comm import Comm, Handle
 
 PREEMPTED_EXIT_CODE = 75
+GRACE_ENV = "TRAINKIT_STOP_GRACE_S"
+
+
+def stop_grace_s(longest_step_s: float) -> float:
+    """How long after a preemption signal a rank waits for a step boundary: ``$TRAINKIT_STOP_GRACE_S`` (default 20)
+    or three times the longest step seen so far, whichever is longer."""
+    floor = float(os.environ.get(GRACE_ENV, "") or 20.0)
+    return max(floor, 3.0 * longest_step_s)
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
 
 
@@ -52,23 +68,42 @@ class StepSignals:
         self._handle: Handle | None = None
         self._flags = torch.zeros(3, dtype=torch.int32, device="cpu")
         self._serial = 0  # the asynchronous save the posted flags are about
+        self._hint: Callable[[], str] = lambda: ""
+        self._boundary = threading.Event()  # a step boundary came after the signal (or the run ended)
+        self._last_poll: float | None = None
+        self.longest_step_s = 0.0
 
-    def install(self) -> None:
-        """Catch SIGTERM and SIGUSR1 until ``uninstall`` (only the main thread can; elsewhere nothing changes)."""
+    def install(self, hint: Callable[[], str] = lambda: "") -> None:
+        """Catch SIGTERM and SIGUSR1 until ``uninstall`` (only the main thread can; elsewhere nothing changes).
+        ``hint``: what to say about the last committed checkpoint if no step comes after a signal."""
         if threading.current_thread() is not threading.main_thread():
             return
+        self._hint, self._last_poll = hint, None
+        self._boundary.clear()
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if not self.requested:
             self.signal_name = signal.Signals(signum).name
+            grace = stop_grace_s(self.longest_step_s)
             print(f"trainkit: received {self.signal_name}; saving a checkpoint at the next optimizer step and "
-                  "stopping.", file=sys.stderr, flush=True)
+                  f"stopping (or, if no step comes within {grace:.0f} s, stopping without one).", file=sys.stderr,
+                  flush=True)
+            threading.Thread(target=self._stop_unless_a_step_comes, args=(grace,), daemon=True,
+                             name="trainkit-stop-grace").start()
         self.requested = True
+
+    def _stop_unless_a_step_comes(self, grace: float) -> None:
+        if self._boundary.wait(grace):
+            return
+        print(f"trainkit: no optimizer step came within {grace:.0f} s of {self.signal_name}; stopping without a new "
+              f"checkpoint (exit code {PREEMPTED_EXIT_CODE}). {self._hint()}", file=sys.stderr, flush=True)
+        os._exit(PREEMPTED_EXIT_CODE)  # the main thread may be blocked where no exception reaches it
 
     def uninstall(self, clean: bool = True) -> None:
         """Restore the previous handlers; with ``clean`` (every rank got here), also wait for the posted reduce."""
+        self._boundary.set()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
@@ -80,6 +115,12 @@ class StepSignals:
         """At a boundary (every rank): whether every rank should stop for preemption, whether every rank's file of
         the pending asynchronous save is durable (the save can be committed), and whether a rank saw a non-finite
         loss or gradient norm (``nonfinite`` here: every rank stops)."""
+        now = time.monotonic()
+        if self._last_poll is not None:
+            self.longest_step_s = max(self.longest_step_s, now - self._last_poll)
+        self._last_poll = now
+        if self.requested:
+            self._boundary.set()  # steps still come: the checkpoint is written at the agreed boundary
         if not self.control.active:
             return self.requested, saver.written, nonfinite
         preempt = written = found = False

@@ -383,7 +383,7 @@ class Trainer(TrainerProperties):
             if fn == "fit":
                 assert self.fit_loop is not None
                 self._log_hyperparams()
-                self.saving.signals.install()
+                self.saving.signals.install(lambda: resume.resume_hint(self.checkpoint_dir))
                 self.fit_loop.run()
                 self.saving.saver.finish(self.strategy)  # the last asynchronous checkpoint is committed as fit returns
                 return None

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ import torch
 
 from tests.helpers import accelerator_for
 from trainkit.checkpoint import CheckpointReader, latest, listing
+from trainkit.signals import PREEMPTED_EXIT_CODE
 
 pytestmark = pytest.mark.slow  # processes of their own (see conftest.py)
 
@@ -96,3 +99,39 @@ def test_no_training_data_is_a_configuration_error_at_two_ranks(tmp_path, args, 
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert listing(tmp_path / "checkpoints") == []
+
+
+def test_sigterm_ends_a_run_within_seconds_when_no_step_comes(tmp_path):
+    """A step that never ends (here a training_step that hangs at step 3): the signal used to wait for a boundary
+    that never came. Now the run stops after the grace time (2 s here) with the preemption exit code, and the last
+    committed checkpoint stays intact."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "TRAINKIT_STOP_GRACE_S": "2"}
+    cmd = [sys.executable, "-m", "trainkit.cli", "fit", "--trainer.accelerator", "cpu", "--trainer.max_steps", "10",
+           "--trainer.enable_progress_bar", "false", "--trainer.logger", "false", "--trainer.default_root_dir",
+           str(tmp_path), "--data", "trainkit.demo.markov.MarkovData", "--data.train_sequences", "256",
+           "--model", "tests.e2e.faulty.DiesAtStep", "--model.rank", "0", "--model.step", "2", "--model.how", "hang",
+           "--model.n_layer", "1", "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps",
+           "1"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while latest_or_none(tmp_path / "checkpoints") != "epoch=0-step=2" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)  # inside the hanging step
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        proc.kill()
+    assert proc.returncode == PREEMPTED_EXIT_CODE, stderr[-3000:]
+    assert "no optimizer step came within 2 s of SIGTERM" in stderr, stderr[-3000:]
+    assert "epoch=0-step=2, is intact" in stderr
+    assert took < 30, f"took {took:.0f} s"  # a hang guard: it used to wait forever
+    assert latest(tmp_path / "checkpoints").name == "epoch=0-step=2"
+
+
+def latest_or_none(directory: Path) -> str | None:
+    pointer = directory / "latest"
+    return pointer.read_text().strip() if pointer.is_file() else None
