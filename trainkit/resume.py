@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from trainkit import checkpoint as ckpt
+from trainkit.rundir import newest
 from trainkit.utils import jsonable
 from trainkit_strategies.state import StateMismatch
 
@@ -74,7 +75,7 @@ def resolve(checkpoint_dir: Path, ckpt_path: str | Path) -> Path | None:
     """The checkpoint ``ckpt_path`` names: "last" is the newest in ``checkpoint_dir`` (None, with a warning,
     when there is none); a directory holding a ``latest`` pointer means the checkpoint it points at."""
     if str(ckpt_path) == "last":
-        found = ckpt.latest(checkpoint_dir)
+        found = newest(checkpoint_dir)
         if found is None:
             rank_zero_warn(f"ckpt_path='last' but {checkpoint_dir} holds no checkpoint; starting fresh.")
         return found

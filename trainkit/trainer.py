@@ -12,7 +12,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
 from torch import nn
 from torch.utils.data import DataLoader
 
-from trainkit import launcher, resume, transforms
+from trainkit import launcher, resume, rundir, transforms
 from trainkit.activation import resolve_mode
 from trainkit.auto import choose_strategy
 from trainkit.callbacks.base import Callback
@@ -241,6 +241,7 @@ class Trainer(TrainerProperties):
         self._hooks: HookDispatch | None = None  # the current run's
         self.evaluation: EvalLoop | None = None
         self._logged_metrics: dict[str, float] = {}
+        self._claims: list[rundir.Claim] = []  # rank 0's hold on the fit's checkpoint directories
 
     # -- construction helpers ---------------------------------------------------------------------
     def _resolve_strategy(self, strategy: str | Strategy) -> Strategy:
@@ -318,7 +319,9 @@ class Trainer(TrainerProperties):
 
     def resolve_ckpt_path(self, ckpt_path: str | Path) -> Path | None:
         """The checkpoint ``ckpt_path`` ("last", a checkpoint, or a directory with ``latest``) names."""
-        return resume.resolve(self.checkpoint_dir, ckpt_path)
+        callback = self.checkpoint_callback
+        base = callback.base_dirpath if callback is not None and callback.base_dirpath is not None else None
+        return resume.resolve(base or self.checkpoint_dir, ckpt_path)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Send metrics to every logger (rank 0 only); for callbacks."""
@@ -370,6 +373,8 @@ class Trainer(TrainerProperties):
                 self.fit_loop = FitLoop(config, self.progress, module, self.strategy, step, hooks, self.results,
                                         self.data, self.evaluation, self._emit, self._at_boundary)
             path = self.resolve_ckpt_path(ckpt_path) if ckpt_path is not None else None
+            if fn == "fit":
+                self._claims = rundir.claim(self.callbacks, path, self.strategy)
             if path is not None:
                 fitting = fn == "fit"
                 on_load = hooks if fitting else hooks.module  # a resumed fit's callbacks get their state back too
@@ -419,6 +424,9 @@ class Trainer(TrainerProperties):
             for lg in self.loggers:
                 if self.is_global_zero:
                     lg.finalize("finished")
+            for claim in self._claims:
+                claim.release()
+            self._claims = []
             self.state = "idle"
 
     def _setup(self, fn: str, module: TrainModule, hooks: HookDispatch) -> None:

@@ -57,6 +57,8 @@ class ModelCheckpoint(Callback):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1; got {value}.")
         self.dirpath = Path(dirpath) if dirpath is not None else None
+        self.base_dirpath = self.dirpath  # as given; a fit may write to a version of it (``rundir.py``)
+        self.claimed: Path | None = None  # the directory this callback's last fit wrote to
         self.filename, self.monitor, self.mode = filename, monitor, mode
         self.save_top_k, self.save_last = save_top_k, save_last
         self.every_n_train_steps = every_n_train_steps
@@ -68,7 +70,7 @@ class ModelCheckpoint(Callback):
 
     @property
     def state_key(self) -> str:
-        return f"ModelCheckpoint[{self.monitor or 'recent'},{self.dirpath}]"
+        return f"ModelCheckpoint[{self.monitor or 'recent'},{self.base_dirpath}]"
 
     def state_dict(self) -> dict[str, Any]:
         return {"saved": self.saved, "last_step": self._last_step}
@@ -90,8 +92,10 @@ class ModelCheckpoint(Callback):
         return self.dirpath / best["name"] if best and self.dirpath else None
 
     def resolve_dirpath(self, trainer: Trainer) -> Path:
+        if self.base_dirpath is None:
+            self.base_dirpath = trainer.default_root_dir / "checkpoints"
         if self.dirpath is None:
-            self.dirpath = trainer.default_root_dir / "checkpoints"
+            self.dirpath = self.base_dirpath
         return self.dirpath
 
     def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
@@ -127,7 +131,6 @@ class ModelCheckpoint(Callback):
                 self._warned_missing = True
             if score is not None and not math.isfinite(score):
                 score = None  # never ranked: a NaN or infinite score is neither best nor worst
-        score = trainer.strategy.broadcast_object(score)
         fields = {"epoch": trainer.current_epoch, "step": trainer.global_step}
         fields |= {k.replace("/", "_"): v for k, v in metrics.items()}
         try:
@@ -135,12 +138,23 @@ class ModelCheckpoint(Callback):
         except KeyError as err:
             raise KeyError(f"ModelCheckpoint filename {self.filename!r} names {err}, which is not logged; "
                            f"available: {sorted(fields)}.") from err
-        name = name.replace("/", "_")
+        name = self._unclaimed(dirpath, name.replace("/", "_"))
+        score, name = trainer.strategy.broadcast_object((score, name))
         self._last_step = trainer.global_step  # before saving: the checkpoint carries this callback's state
         self.saved = [s for s in self.saved if s["name"] != name]
         self.saved.append({"name": name, "step": trainer.global_step, "score": score})
         prune = (lambda _: self._prune(dirpath, name)) if trainer.is_global_zero else None
         return trainer.save_checkpoint(dirpath, name, async_save=self.async_save and not wait, on_commit=prune)
+
+    def _unclaimed(self, dirpath: Path, name: str) -> str:
+        """``name``, or ``name-v1``, ``-v2``, ... where a checkpoint this run did not write holds it (a run resumed
+        from an older checkpoint reaching the steps of newer ones): another run's checkpoint is never replaced."""
+        if name in {s["name"] for s in self.saved} or not (dirpath / name).exists():
+            return name
+        version = 1
+        while (dirpath / f"{name}-v{version}").exists():
+            version += 1
+        return f"{name}-v{version}"
 
     def _prune(self, dirpath: Path, newest: str) -> None:
         keep = {newest} if self.save_last or self.save_top_k != 0 else set()
