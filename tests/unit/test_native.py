@@ -12,9 +12,11 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from trainkit_strategies import host_adam as host_adam_module
 from trainkit_strategies import native
+from trainkit_strategies.host_adam import HostAdam
 
 COMPILER = native.compiler()
 needs_compiler = pytest.mark.skipif(COMPILER is None, reason="no C compiler on this machine: nothing is built")
@@ -180,3 +182,81 @@ def test_a_cc_that_names_no_program_is_said_not_replaced(fresh, monkeypatch):
     library, said = _load_twice()
     assert library is None
     assert len(said) == 1 and "CC='no-such-compiler-here --flag'" in said[0], said
+
+
+# -- what HostAdam.step is handed ---------------------------------------------------------------------------------
+
+@pytest.fixture(params=["kernel", "torch"])
+def path(request, monkeypatch):
+    """The compiled kernel, and torch's kernels as where no compiler exists."""
+    if request.param == "torch":
+        monkeypatch.setattr(host_adam_module, "_kernel", lambda: None)
+    elif not host_adam_module.uses_kernel():
+        pytest.skip(f"the kernel is not built here: {native.why_not('host_adam')}")
+    return request.param
+
+
+def _adam(n: int = 4099) -> tuple[HostAdam, list[torch.Tensor], torch.Tensor]:
+    master = torch.randn(n)
+    pieces = [master[:1000], master[1000:]]
+    opt = torch.optim.AdamW(pieces, lr=1e-2)
+    adam = HostAdam(opt, [(master, 0, [(pieces[0], 0), (pieces[1], 1000)])])
+    adam.begin(1.0, threads=1)
+    return adam, pieces, master
+
+
+def test_well_formed_buffers_step(path):
+    adam, pieces, master = _adam()
+    before = master.clone()
+    grad, out = torch.randn(master.numel()).bfloat16(), torch.empty(master.numel(), dtype=torch.bfloat16)
+    adam.step(pieces, [grad[:1000], grad[1000:]], [out[:1000], out[1000:]])
+    assert not torch.equal(master, before) and torch.equal(out, master.bfloat16())
+
+
+REFUSALS = {  # case: the error and the words that name the argument, what it is and what was expected
+    "short gradient": (ValueError, r"grads hold 4000 elements; pieces hold 4099"),
+    "short output": (ValueError, r"outs hold 4098 elements; pieces hold 4099"),
+    "strided gradient": (ValueError, r"grads\[0\] .*stride \(2,\).* contiguous"),
+    "gradients apart": (ValueError, r"grads\[1\] does not start where grads\[0\] ends"),
+    "integer gradient": (TypeError, r"grads\[0\] .*torch.int32.* float32, bfloat16 or float16"),
+    "integer output": (TypeError, r"outs\[0\] .*torch.int16.* float32, bfloat16 or float16"),
+    "gradient off the host": (ValueError, r"grads\[0\] .*meta.* host \(CPU\) memory"),
+    "not a piece": (ValueError, r"pieces\[0\] .*not a master piece"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_a_malformed_buffer_is_refused_by_name(path, case):
+    """Each would reach the kernel as a raw pointer and a length: read past its end, read every other element as
+    if adjacent, misread as floats, or dereferenced off the host (a crash)."""
+    adam, pieces, master = _adam()
+    n = master.numel()
+    grads, outs = [torch.randn(n)], None
+    if case == "short gradient":
+        grads = [torch.randn(4000)]
+    elif case == "short output":
+        outs = [torch.empty(n - 1)]
+    elif case == "strided gradient":
+        grads = [torch.randn(2 * n)[::2]]
+    elif case == "gradients apart":
+        grads = [torch.randn(1000), torch.randn(n - 1000)]
+    elif case == "integer gradient":
+        grads = [torch.ones(n, dtype=torch.int32)]
+    elif case == "integer output":
+        outs = [torch.empty(n, dtype=torch.int16)]
+    elif case == "gradient off the host":
+        grads = [torch.empty(n, device="meta")]
+    else:
+        pieces = [torch.randn(n)]
+    before = master.clone()
+    error, words = REFUSALS[case]
+    with pytest.raises(error, match=words):
+        adam.step(pieces, grads, outs)
+    assert torch.equal(master, before)  # refused before anything was written
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device for a gradient in device memory")
+def test_a_gradient_in_device_memory_is_refused(path):
+    adam, pieces, master = _adam()
+    with pytest.raises(ValueError, match=r"grads\[0\] .*cuda.* host \(CPU\) memory"):
+        adam.step(pieces, [torch.randn(master.numel(), device="cuda")])
