@@ -19,7 +19,6 @@ scratch slice, the update, the compute-dtype copy: three passes over a slice ins
 from __future__ import annotations
 
 import ctypes
-import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +28,7 @@ from torch.optim import Optimizer
 from trainkit_strategies import native
 
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_KINDS = "float32, bfloat16 or float16"
 _DECOUPLED, _AMSGRAD, _MAXIMIZE = 1, 2, 4
 SLICE = 1 << 22  # elements per call of torch's kernels on the fallback path (a 16 MiB fp32 scratch)
 
@@ -63,8 +63,32 @@ def follows(a: Tensor, b: Tensor) -> bool:
             and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() and not a.is_meta)
 
 
-def _lies_end_to_end(tensors: list[Tensor]) -> bool:
-    return all(follows(a, b) for a, b in itertools.pairwise(tensors))
+def _check_run(pieces: list[Tensor], grads: list[Tensor], outs: list[Tensor] | None) -> int:
+    """The length of a run, once its buffers are known to be what the kernel reads. It takes a raw pointer and one
+    length per buffer, so a short, strided, foreign-dtype or off-host buffer would be read past its end, misread
+    (every other element as if adjacent, integers as floats: silently wrong weights) or dereferenced where the host
+    cannot reach (a crash): each is refused here, by name, before anything is written."""
+    n = sum(p.numel() for p in pieces)
+    for arg, tensors in (("pieces", pieces), ("grads", grads), ("outs", outs or [])):
+        if arg == "grads" and not tensors:
+            raise ValueError("HostAdam.step: grads is empty.")
+        for i, t in enumerate(tensors):
+            if t.device.type != "cpu":
+                raise ValueError(f"HostAdam.step: {arg}[{i}] (shape {tuple(t.shape)}) is in {t.device} memory; "
+                                 "the host step reads and writes host (CPU) memory only.")
+            if arg != "pieces" and t.dtype not in _CODES:
+                raise TypeError(f"HostAdam.step: {arg}[{i}] (shape {tuple(t.shape)}) is {t.dtype}; {arg} must be "
+                                f"{_KINDS}.")
+            if not t.is_contiguous():
+                raise ValueError(f"HostAdam.step: {arg}[{i}] of shape {tuple(t.shape)} and stride {t.stride()} is "
+                                 f"not contiguous; the kernel reads {arg} as one dense run.")
+            if i and not follows(tensors[i - 1], t):
+                raise ValueError(f"HostAdam.step: {arg}[{i}] does not start where {arg}[{i - 1}] ends; a run's "
+                                 f"{arg} lie end to end in one buffer.")
+        held = sum(t.numel() for t in tensors)
+        if tensors and held != n:
+            raise ValueError(f"HostAdam.step: {arg} hold {held} elements; pieces hold {n} (one for each).")
+    return n
 
 
 @dataclass(eq=False)
@@ -116,20 +140,25 @@ class HostAdam:
             self._hyper[id(flat)] = (hyper, flags)
 
     def step(self, pieces: list[Tensor], grads: list[Tensor], outs: list[Tensor] | None = None) -> None:
-        """Update ``pieces`` (adjacent in one flat) from ``grads`` (adjacent, any float dtype), writing the updated
-        pieces into ``outs`` (adjacent; may be ``grads`` themselves) if given."""
-        flat = self._flat_of[id(pieces[0])]
+        """Update ``pieces`` (adjacent in one flat) from ``grads`` (adjacent, float32, bfloat16 or float16),
+        writing the updated pieces into ``outs`` (adjacent, the same dtypes; may be ``grads`` themselves) if given.
+        Raises ``ValueError`` or ``TypeError`` naming the argument that is not so (see ``_check_run``)."""
+        if not pieces:
+            raise ValueError("HostAdam.step: pieces is empty.")
+        flat = self._flat_of.get(id(pieces[0]))
+        for i, piece in enumerate(pieces):
+            if flat is None or self._flat_of.get(id(piece)) is not flat:
+                raise ValueError(f"HostAdam.step: pieces[{i}] (shape {tuple(piece.shape)}) is not a master piece "
+                                 f"{'of the flat pieces[0] lies in' if i else 'HostAdam was given'}.")
         if flat.master.is_meta:  # planned on the meta device (trainkit estimate): the state exists, no values
             return
-        if not (_lies_end_to_end(pieces) and _lies_end_to_end(grads) and (outs is None or _lies_end_to_end(outs))):
-            raise ValueError("HostAdam.step takes pieces, gradients and outputs that each lie end to end.")
-        n = sum(p.numel() for p in pieces)
+        n = _check_run(pieces, grads, outs)
         lo = (pieces[0].data_ptr() - flat.master.data_ptr()) // flat.master.element_size()
         grad, out = grads[0], outs[0] if outs else None
         hyper, flags = self._hyper[id(flat)]
         kernel = _kernel()
         with torch.profiler.record_function("trainkit::host_adam"):
-            if kernel is not None and grad.dtype in _CODES and (out is None or out.dtype in _CODES):
+            if kernel is not None:
                 at = lambda name: (flat.moments[name].data_ptr() + lo * flat.master.element_size()
                                    if name in flat.moments else None)
                 code = kernel(pieces[0].data_ptr(), grad.data_ptr(), _CODES[grad.dtype], at("exp_avg"),
