@@ -266,19 +266,21 @@ def latest(dirpath: str | Path) -> Path | None:
     copy set aside as ``.old-<name>``. The pointer must be one line of UTF-8 naming a directory inside ``dirpath``:
     an absolute path, ``..`` or a symbolic link is refused."""
     root = Path(dirpath)
-    pick = ("Pass --ckpt_path with one of the complete checkpoints found: "
-            f"{', '.join(str(p) for p in listing(root, hidden=True)) or '(none)'}.")
     try:
         name = read_name(root, LATEST)
     except ValueError as err:
-        raise CheckpointError(f"{root / LATEST} {err}. {pick}") from None
-    if name is None:
-        return None
-    for found in (root / name, root / f".old-{name}"):
-        if holds_file(found, META):
-            return found
-    why = "a symbolic link" if (root / name).is_symlink() else "not a complete checkpoint"
-    raise CheckpointError(f"{root / LATEST} points at {name!r}, which is {why}. {pick}")
+        problem = str(err)
+    else:
+        if name is None:
+            return None
+        for found in (root / name, root / f".old-{name}"):
+            if holds_file(found, META):
+                return found
+        problem = f"points at {name!r}, which is " + ("a symbolic link" if (root / name).is_symlink() else
+                                                      "not a complete checkpoint")
+    complete = ", ".join(str(p) for p in listing(root, hidden=True)) or "(none)"
+    raise CheckpointError(f"{root / LATEST} {problem}. Pass --ckpt_path with one of the complete checkpoints found: "
+                          f"{complete}.")
 
 
 def listing(dirpath: str | Path, hidden: bool = False) -> list[Path]:
@@ -313,11 +315,10 @@ def read_meta(path: str | Path, dir_fd: int | None = None) -> dict[str, Any]:
             meta = json.loads(f.read())
     except FileNotFoundError as err:
         raise CheckpointError(f"{path} is not a trainkit checkpoint: {meta_path} does not exist.") from err
-    except NotRegular as err:
-        raise CheckpointError(f"{meta_path} is not a regular file (a symbolic link, say). {_fall_back(path)}") from err
-    except ValueError as err:  # not JSON, or not UTF-8
-        raise CheckpointError(f"Checkpoint file {meta_path} is corrupt (not valid JSON: {err}). "
-                              f"{_fall_back(path)}") from err
+    except (NotRegular, ValueError) as err:  # a link; not JSON, or not UTF-8
+        what = "is not a regular file (a symbolic link, say)" if isinstance(err, NotRegular) else \
+            f"is corrupt (not valid JSON: {err})"
+        raise CheckpointError(f"Checkpoint file {meta_path} {what}. {_fall_back(path)}") from err
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{meta_path} is not a trainkit checkpoint (format field missing). {_fall_back(path)}")
     if meta.get("meta_sha256") != _meta_digest(meta):
@@ -409,9 +410,7 @@ class CheckpointReader:
     def _verified(self, file: str) -> int:
         """A descriptor of ``file``, a regular file in the checkpoint whose size and sha256 are those meta.json lists
         (both read from the descriptor, so what was checked is what is read)."""
-        path, expected, hint = self.path / file, self.meta["files"].get(file), _fall_back(self.path)
-        if expected is None:
-            raise CheckpointError(f"Checkpoint file {path} is not listed in meta.json. {hint}")
+        path, expected, hint = self.path / file, self.meta["files"][file], _fall_back(self.path)  # listed: read_meta
         try:
             fd = open_regular(file, self._dir)
         except FileNotFoundError as err:
