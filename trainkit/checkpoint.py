@@ -15,7 +15,8 @@ one of the same name is swapped in with one atomic exchange of the two directori
 ``RENAME_EXCHANGE`` on Linux), so at every instant ``<name>`` is a complete checkpoint and ``latest`` never
 points at nothing; where the exchange is not available the old copy is set aside as ``.old-<name>`` first, and
 a ``latest`` naming a checkpoint that is not there finds that copy. A crash at any point leaves a complete
-checkpoint that ``latest`` names. No pickle is ever loaded.
+checkpoint that ``latest`` names. No pickle is ever loaded, and nothing outside the checkpoint's directory is read
+(``checkpoint_files``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from trainkit.checkpoint_files import NotRegular, holds_file, open_dir, open_regular, read_name, sha256, table_problem
 from trainkit_strategies import Strategy
 from trainkit_strategies.state import Piece, Strided, overlaps
 
@@ -57,14 +59,6 @@ class CheckpointError(RuntimeError):
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _meta_digest(meta: dict) -> str:
@@ -269,52 +263,83 @@ def save(
 def latest(dirpath: str | Path) -> Path | None:
     """The checkpoint the ``latest`` pointer in ``dirpath`` names, or None. A pointer whose checkpoint was being
     replaced when the process died (only possible where directories cannot be exchanged atomically) finds the
-    copy set aside as ``.old-<name>``."""
-    pointer = Path(dirpath) / LATEST
-    if not pointer.is_file():
-        return None
-    target = Path(dirpath) / pointer.read_text().strip()
-    if (target / META).is_file():
-        return target
-    aside = target.parent / f".old-{target.name}"
-    if (aside / META).is_file():
-        return aside
-    complete = listing(dirpath, hidden=True)
-    raise CheckpointError(
-        f"{pointer} points at {target.name!r}, which is not a complete checkpoint. Pass --ckpt_path with one of "
-        f"the complete checkpoints found: {', '.join(str(p) for p in complete) or '(none)'}."
-    )
+    copy set aside as ``.old-<name>``. The pointer must be one line of UTF-8 naming a directory inside ``dirpath``:
+    an absolute path, ``..`` or a symbolic link is refused."""
+    root = Path(dirpath)
+    try:
+        name = read_name(root, LATEST)
+    except ValueError as err:
+        problem = str(err)
+    else:
+        if name is None:
+            return None
+        for found in (root / name, root / f".old-{name}"):
+            if holds_file(found, META):
+                return found
+        problem = f"points at {name!r}, which is " + ("a symbolic link" if (root / name).is_symlink() else
+                                                      "not a complete checkpoint")
+    complete = ", ".join(str(p) for p in listing(root, hidden=True)) or "(none)"
+    raise CheckpointError(f"{root / LATEST} {problem}. Pass --ckpt_path with one of the complete checkpoints found: "
+                          f"{complete}.")
 
 
 def listing(dirpath: str | Path, hidden: bool = False) -> list[Path]:
     """Committed checkpoints in ``dirpath``, oldest first; with ``hidden`` also complete copies a crash left
-    aside (``.old-<name>``, a written ``.tmp-<name>``)."""
+    aside (``.old-<name>``, a written ``.tmp-<name>``). Symbolic links are not checkpoints of ``dirpath``."""
     root = Path(dirpath)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and (hidden or not p.name.startswith("."))
-             and (p / META).is_file()]
+    found = [p for p in root.iterdir() if (hidden or not p.name.startswith(".")) and holds_file(p, META)]
     return sorted(found, key=lambda p: (p / META).stat().st_mtime)
 
 
-def read_meta(path: str | Path) -> dict[str, Any]:
-    """meta.json, checked against its own digest."""
-    meta_path = Path(path) / META
-    if not meta_path.is_file():
-        raise CheckpointError(f"{path} is not a trainkit checkpoint: {meta_path} does not exist.")
+def _fall_back(path: Path) -> str:
+    """What a user whose checkpoint ``path`` cannot be read does instead."""
+    others = ", ".join(p.name for p in listing(path.parent) if p != path) or "none left"
+    return f"The checkpoint {path} cannot be used; resume from another one ({others})."
+
+
+def read_meta(path: str | Path, dir_fd: int | None = None) -> dict[str, Any]:
+    """meta.json, checked against its own digest and for a table that names only files inside ``path``;
+    ``dir_fd``: ``path`` already opened (a reader's, which keeps it)."""
+    path = Path(path)
+    if dir_fd is None:
+        fd = _open_dir(path)
+        try:
+            return read_meta(path, fd)
+        finally:
+            os.close(fd)
+    meta_path = path / META
     try:
-        meta = json.loads(meta_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"Checkpoint file {meta_path} is corrupt (not valid JSON: {err}).") from err
+        with os.fdopen(open_regular(META, dir_fd), "rb") as f:
+            meta = json.loads(f.read())
+    except FileNotFoundError as err:
+        raise CheckpointError(f"{path} is not a trainkit checkpoint: {meta_path} does not exist.") from err
+    except (NotRegular, ValueError) as err:  # a link; not JSON, or not UTF-8
+        what = "is not a regular file (a symbolic link, say)" if isinstance(err, NotRegular) else \
+            f"is corrupt (not valid JSON: {err})"
+        raise CheckpointError(f"Checkpoint file {meta_path} {what}. {_fall_back(path)}") from err
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{meta_path} is not a trainkit checkpoint (format field missing).")
+        raise CheckpointError(f"{meta_path} is not a trainkit checkpoint (format field missing). {_fall_back(path)}")
     if meta.get("meta_sha256") != _meta_digest(meta):
-        raise CheckpointError(f"Checkpoint file {meta_path} is corrupt: its content does not match its sha256.")
+        raise CheckpointError(f"Checkpoint file {meta_path} is corrupt: its content does not match its sha256. "
+                              f"{_fall_back(path)}")
     if meta.get("version", 0) > VERSION:
         raise CheckpointError(
             f"{path} was written by a newer trainkit (format version {meta['version']}); upgrade trainkit."
         )
+    problem = table_problem(meta, {_dtype_name(dtype) for dtype in SAFETENSORS_DTYPES})
+    if problem is not None:
+        raise CheckpointError(f"Checkpoint file {meta_path} is refused: {problem}; only files inside {path} are "
+                              f"read. {_fall_back(path)}")
     return meta
+
+
+def _open_dir(path: Path) -> int:
+    try:
+        return open_dir(path)
+    except OSError as err:
+        raise CheckpointError(f"{path} is not a trainkit checkpoint: {path / META} does not exist.") from err
 
 
 class CheckpointReader:
@@ -326,12 +351,13 @@ class CheckpointReader:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.meta = read_meta(self.path)
-        self._tensors: dict[str, dict[str, Any]] = self.meta["tensors"]
         self._files: dict[str, tuple[int, int, dict[str, Any]]] = {}  # file -> (fd, payload start, header)
+        self._dir = _open_dir(self.path)  # files are opened relative to it: a rename of a parent cannot redirect them
+        self.meta = read_meta(self.path, self._dir)
+        self._tensors: dict[str, dict[str, Any]] = self.meta["tensors"]
 
     def __del__(self) -> None:
-        for fd, _, _ in getattr(self, "_files", {}).values():  # empty when __init__ failed
+        for fd in [fd for fd, _, _ in getattr(self, "_files", {}).values()] + [getattr(self, "_dir", -1)]:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
@@ -361,8 +387,7 @@ class CheckpointReader:
     def _open(self, file: str) -> tuple[int, int, dict[str, Any]]:
         opened = self._files.get(file)
         if opened is None:
-            self._verify(file)
-            fd = os.open(self.path / file, os.O_RDONLY)
+            fd = self._verified(file)
             length = int.from_bytes(os.pread(fd, 8, 0), "little")
             opened = self._files[file] = (fd, 8 + length, json.loads(os.pread(fd, length, 8)))
         return opened
@@ -382,22 +407,24 @@ class CheckpointReader:
             done += got
         return out.view(dtype)
 
-    def _verify(self, file: str) -> None:
-        path = self.path / file
-        expected = self.meta["files"].get(file)
-        hint = (f"The checkpoint {self.path} cannot be used; resume from another one "
-                f"({', '.join(p.name for p in listing(self.path.parent) if p != self.path) or 'none left'}).")
-        if expected is None:
-            raise CheckpointError(f"Checkpoint file {path} is not listed in meta.json. {hint}")
-        if not path.is_file():
-            raise CheckpointError(f"Checkpoint file {path} is missing. {hint}")
-        size = path.stat().st_size
-        if size != expected["bytes"]:
-            raise CheckpointError(
-                f"Checkpoint file {path} is truncated or altered: {size} bytes, expected {expected['bytes']}. {hint}"
-            )
-        if _sha256(path) != expected["sha256"]:
-            raise CheckpointError(f"Checkpoint file {path} is corrupt: sha256 mismatch. {hint}")
+    def _verified(self, file: str) -> int:
+        """A descriptor of ``file``, a regular file in the checkpoint whose size and sha256 are those meta.json lists
+        (both read from the descriptor, so what was checked is what is read)."""
+        path, expected, hint = self.path / file, self.meta["files"][file], _fall_back(self.path)  # listed: read_meta
+        try:
+            fd = open_regular(file, self._dir)
+        except FileNotFoundError as err:
+            raise CheckpointError(f"Checkpoint file {path} is missing. {hint}") from err
+        except NotRegular as err:
+            raise CheckpointError(f"Checkpoint file {path} is not a regular file (a symbolic link, say): a "
+                                  f"checkpoint's files are read only from its own directory. {hint}") from err
+        size = os.fstat(fd).st_size
+        problem = (f"is truncated or altered: {size} bytes, expected {expected['bytes']}" if size != expected["bytes"]
+                   else "is corrupt: sha256 mismatch" if sha256(fd) != expected["sha256"] else None)
+        if problem is not None:
+            os.close(fd)
+            raise CheckpointError(f"Checkpoint file {path} {problem}. {hint}")
+        return fd
 
     def read(self, key: str, start: int, stop: int, strided: Strided | None = None) -> Tensor:
         """Elements ``[start, stop)`` of the flattened tensor ``key``, or of its tensor-parallel part ``strided``,

@@ -9,15 +9,24 @@ Nothing is assembled in memory: the safetensors header is computed from the chec
 shapes and dtypes, then every piece is copied straight to its byte offset in the output, so peak
 memory is one piece, however large the model (DeepSpeed's ``zero_to_fp32`` needs the whole model in
 RAM).
+
+Export writes only inside ``out`` and never through a link: every file is created under a fresh temporary name with
+``O_CREAT | O_EXCL | O_NOFOLLOW`` and renamed over its final name, so a symbolic link planted there (``out/
+model.safetensors -> ~/.bashrc``, say) is replaced, not written through. ``out`` itself is the user's to choose, a
+link included.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
+import secrets
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -55,13 +64,28 @@ def _plan(entries: list[tuple[str, tuple[int, ...], torch.dtype]], max_shard_siz
     return shards
 
 
+@contextlib.contextmanager
+def _created(path: Path) -> Iterator[BinaryIO]:
+    """A new file that becomes ``path`` once written and made durable; what ``path`` was (a link too) is replaced."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def _write_shard(path: Path, entries: list[tuple[str, tuple[int, ...], torch.dtype]], reader: CheckpointReader,
                  source: dict[str, str]) -> int:
     """Write one safetensors file, piece by piece at computed offsets; returns its payload bytes."""
     header, offsets = safetensors_header(entries)
     size = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in entries)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
+    with _created(path) as f:
         f.write(header)
         f.truncate(len(header) + size)
         for name, _, dtype in entries:
@@ -70,9 +94,6 @@ def _write_shard(path: Path, entries: list[tuple[str, tuple[int, ...], torch.dty
                 data = reader.read(key, lo, hi).to(dtype).contiguous()
                 f.seek(base + lo * dtype.itemsize)
                 f.write(data.view(torch.uint8).numpy().data)  # the tensor's bytes, not a copy of them
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     return size
 
 
@@ -120,7 +141,8 @@ def export(checkpoint: str | Path, out: str | Path, max_shard_size: str | int | 
     written: list[Path] = []
     config = reader.meta.get("configs", {}).get(submodule or "")
     if config is not None:
-        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        with _created(out / "config.json") as f:
+            f.write(json.dumps(config, indent=2, sort_keys=True).encode())
         written.append(out / "config.json")
     shards = _plan(entries, parse_size(max_shard_size) if max_shard_size is not None else None)
     if len(shards) == 1 and max_shard_size is None:
@@ -134,5 +156,6 @@ def export(checkpoint: str | Path, out: str | Path, max_shard_size: str | int | 
         weight_map |= {name: target.name for name, _, _ in shard}
         files.append(target)
     index = out / "model.safetensors.index.json"
-    index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    with _created(index) as f:
+        f.write(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode())
     return [*files, index, *written]

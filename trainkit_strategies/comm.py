@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from trainkit_strategies.environment import elastic_store
+from trainkit_strategies.environment import collectives_on_loopback, elastic_store
 from trainkit_strategies.liveness import Heartbeat, Waiter
 
 if TYPE_CHECKING:
@@ -179,6 +179,7 @@ class Comm:
             if env.device.type == "cuda":
                 kwargs["device_id"] = env.device
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+            collectives_on_loopback(env)
             timeout = timedelta(seconds=env.timeout_s)
             store = elastic_store(env, timeout)
             dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,

@@ -266,3 +266,39 @@ def test_a_hugging_face_model_trained_on_a_mesh_exports_for_from_pretrained(tmp_
     with torch.no_grad():
         logits = model(input_ids=x).logits
     torch.testing.assert_close(logits, torch.load(tmp_path / "logits.pt"), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("max_shard_size", [None, 16])
+def test_export_replaces_a_planted_link_rather_than_writing_through_it(tmp_path, max_shard_size):
+    """Every name export writes in ``out`` (the files, the index, config.json, and the temporary names it used to
+    write first) is planted as a link to a file outside: each victim keeps its bytes and each name becomes a regular
+    file holding the export."""
+    from trainkit import checkpoint as ckpt
+    from trainkit.export import export
+    from trainkit_strategies import Environment, get_strategy
+    from trainkit_strategies.state import Piece
+
+    strategy = get_strategy("single")
+    strategy.setup_environment(Environment())
+    weights = {"a": torch.arange(4.0), "b": torch.arange(4.0) + 10}
+    pieces = [Piece(f"model/{name}", (4,), torch.float32, 0, 4, t) for name, t in weights.items()]
+    path = ckpt.save(tmp_path / "ckpt", "c", strategy, {"configs": {"": {"n": 1}}}, pieces, {})
+    out = tmp_path / "out"
+    out.mkdir()
+    names = (["model.safetensors"] if max_shard_size is None else
+             [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)] + ["model.safetensors.index.json"])
+    names += ["config.json"]
+    victims = {}
+    for name in names + [f".{name}.tmp" for name in names]:
+        victim = tmp_path / f"victim-{name}"
+        victim.write_text("precious")
+        (out / name).symlink_to(victim)
+        victims[victim] = name
+    written = export(path, out, max_shard_size=max_shard_size)
+    assert sorted(p.name for p in written) == sorted(names)
+    assert all(victim.read_text() == "precious" for victim in victims)
+    assert all(not (out / name).is_symlink() and (out / name).is_file() for name in names)
+    assert json.loads((out / "config.json").read_text()) == {"n": 1}
+    exported = {k: v for p in written if p.suffix == ".safetensors" for k, v in load_file(str(p)).items()}
+    assert all(torch.equal(exported[name], t) for name, t in weights.items())
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp") and not p.is_symlink()]  # none left over
