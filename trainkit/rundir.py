@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from trainkit import checkpoint as ckpt
+from trainkit import storage
 from trainkit.errors import ConfigurationError
 
 LOCK = ".lock"
@@ -129,7 +130,9 @@ def claim(callbacks: list, resuming: Path | None, strategy: Any) -> list[Claim]:
     from trainkit.callbacks.checkpointing import ModelCheckpoint
 
     held: list[Claim] = []
-    for callback in [c for c in callbacks if isinstance(c, ModelCheckpoint)]:
+    checkpointing = [c for c in callbacks if isinstance(c, ModelCheckpoint)]
+    needed = storage.checkpoint_bytes(strategy) if checkpointing else 0
+    for callback in checkpointing:
         base = callback.base_dirpath
         assert base is not None, "ModelCheckpoint.setup resolves its directory first"
         decided: tuple[Path | None, str | None] = (None, None)
@@ -138,9 +141,13 @@ def claim(callbacks: list, resuming: Path | None, strategy: Any) -> list[Claim]:
             directory = callback.claimed if again else choose(base, resuming)
             try:
                 held.append(Claim(directory))
-                decided = (directory, None)
+                decided = (directory, storage.preflight(directory, needed))
+                storage.sweep(directory)
             except ConfigurationError as err:
                 decided = (None, str(err))
+            except OSError as err:
+                decided = (None, f"Checkpoints cannot be written to {directory}: {storage.describe(err)}. Point "
+                                 "--trainer.default_root_dir (or ModelCheckpoint dirpath) at a writable directory.")
             if directory != base and resuming is None and decided[1] is None:
                 print(f"trainkit: {base} holds the checkpoints of an earlier run; this run writes its own to "
                       f"{directory} and leaves those as they are (resume the earlier run with --ckpt_path "

@@ -9,12 +9,14 @@ checkpoint as ``latest``.
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from trainkit import checkpoint as ckpt
-from trainkit import finite, resume
+from trainkit import finite, resume, storage
 from trainkit.async_checkpoint import AsyncSaver
 from trainkit.finite import FiniteGuard
 from trainkit.seed import rng_state
@@ -57,7 +59,20 @@ class Saving:
             self.saver.start(Path(dirpath), name, strategy, meta(), pieces, rank_state, update_latest, on_commit)
             return Path(dirpath) / name
         self.saver.finish(strategy)
-        path = ckpt.save(dirpath, name, strategy, meta(), pieces, rank_state, update_latest)
+        staged = ckpt.begin(dirpath, name, strategy, meta(), rank_state, update_latest)
+        host = [dataclasses.replace(p, data=p.data.detach().contiguous().cpu()) for p in pieces]
+        try:
+            written = ckpt.write_rank_file(staged.tmp, strategy.rank, host)
+        except OSError as err:  # every rank hears of it at the commit, which fails on all of them
+            written = ckpt.Written(error=storage.describe(err))
+        try:
+            path = ckpt.commit(staged, strategy, written)
+        except OSError as err:  # rank 0's meta.json, rename or pointer
+            shutil.rmtree(staged.tmp, ignore_errors=True)
+            raise ckpt.CheckpointError(f"Writing checkpoint {staged.final} failed: {storage.describe(err)}. "
+                                       f"{resume.resume_hint(Path(dirpath))}") from err
+        except ckpt.CheckpointError as err:
+            raise ckpt.CheckpointError(f"{err} {resume.resume_hint(Path(dirpath))}") from err
         if on_commit is not None:
             on_commit(path)
         return path

@@ -26,6 +26,7 @@ from trainkit.dispatch import HookDispatch
 from trainkit.estimate import parse_bytes
 from trainkit.failures import leave_the_ranks
 from trainkit.loggers import Logger, TensorBoardLogger
+from trainkit.loggers.base import finalize_all
 from trainkit.loops import EvalLoop, FitLoop, LoopConfig, Progress, loss_logger
 from trainkit.module import TrainModule
 from trainkit.optim import OptimizerConfig, parse_optimizers
@@ -421,9 +422,8 @@ class Trainer(TrainerProperties):
                 if not failing:
                     raise
                 rank_zero_warn(f"{type(self.strategy).__name__}.teardown failed after the run's error: {err!r}")
-            for lg in self.loggers:
-                if self.is_global_zero:
-                    lg.finalize("finished")
+            if self.is_global_zero:
+                finalize_all(self.loggers, failing)
             for claim in self._claims:
                 claim.release()
             self._claims = []

@@ -7,6 +7,8 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
+from lightning_utilities.core.rank_zero import rank_zero_warn
+
 
 def next_version(root: Path) -> int:
     if not root.is_dir():
@@ -59,3 +61,15 @@ def flatten_params(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[name] = str(value)
     return out
+
+
+def finalize_all(loggers: list[Logger], failing: bool) -> None:
+    """Finish every logger as a run ends. Under the run's own error (a full disk, say, which fails the loggers too)
+    a logger's failure is a warning, so the run's error stays the one in front of the user."""
+    for logger in loggers:
+        try:
+            logger.finalize("failed" if failing else "finished")
+        except OSError as err:
+            if not failing:
+                raise
+            rank_zero_warn(f"{type(logger).__name__} could not finish writing: {err}")
