@@ -78,8 +78,9 @@ def test_crash_mid_write_keeps_latest_on_previous_checkpoint(tmp_path, monkeypat
         raise OSError("disk full (simulated)")
 
     monkeypatch.setattr(ckpt, "write_safetensors", crash_half_way)
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(ckpt.CheckpointError, match=r"disk full \(simulated\).*epoch=0-step=10, is intact"):
         _train(tmp_path, 20, ckpt_path="last")
+    assert not [p for p in dirpath.iterdir() if p.name.startswith(".tmp-")]  # the half-written file is gone
     monkeypatch.undo()
     assert (dirpath / "latest").read_text() == "epoch=0-step=10"
     assert [p.name for p in ckpt.listing(dirpath)] == ["epoch=0-step=10"]
