@@ -369,6 +369,7 @@ class FitLoop:
     def _step_ended(self) -> None:
         self.hooks("on_train_step_end", self.step.timing)
         self.boundary()
+        self.results.boundary += 1  # what is logged from now on belongs to the next step
 
     def _metrics(self) -> dict[str, float]:
         return self.results.local_values(prog_bar_only=False)

@@ -44,6 +44,8 @@ class _Entry:
     weight: float = 0.0
     metric: Metric | None = None
     epoch_value: float | None = None
+    stamp: int = -1  # ``Results.boundary`` when ``last`` was logged
+    epoch_stamp: int = -1  # ... when ``epoch_value`` was computed
 
 
 class Results:
@@ -58,6 +60,7 @@ class Results:
         self.loop = "train"
         self.batch: Any = None  # the batch being processed: epoch means weight by its size by default
         self.epoch_end = False  # inside an epoch-end hook: values default to per-epoch
+        self.boundary = 0  # the training loop counts its step boundaries: what was logged since belongs to this step
         self._entries: dict[str, dict[str, _Entry]] = {}
 
     @property
@@ -82,6 +85,7 @@ class Results:
                 prog_bar, logger, training if on_step is None else on_step,
                 (not training) if on_epoch is None else on_epoch, reduce_fx, sync_dist,
             )
+        entry.stamp = self.boundary
         if _is_metric(value):
             entry.metric = value
             entry.last = value._forward_cache
@@ -170,8 +174,18 @@ class Results:
                 out[key] = float(total / weight) if e.reduce_fx == "mean" else float(total)
                 e.total, e.weight = None, 0.0
             if key in out:
-                e.epoch_value = out[key]
+                e.epoch_value, e.epoch_stamp = out[key], self.boundary
         return out
+
+    def logged_at(self, key: str) -> int | None:
+        """The step boundary the latest value of ``key`` (as ``local_values`` names it) belongs to, or None."""
+        for entries in self._entries.values():
+            for name, e in entries.items():
+                if e.epoch_value is not None and key == (f"{name}_epoch" if e.on_step else name):
+                    return e.epoch_stamp
+                if e.on_step and e.last is not None and key == name:
+                    return e.stamp
+        return None
 
     def local_values(self, prog_bar_only: bool) -> dict[str, float]:
         """Latest values on this rank (no communication): for progress bars and callbacks."""

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import Regression, loader, quiet_trainer, regression_data
-from trainkit.callbacks import ModelCheckpoint
+from trainkit.callbacks import Callback, ModelCheckpoint
 from trainkit.checkpoint import CheckpointReader, latest, listing
 from trainkit.finite import FiniteGuard, NonFiniteError
 from trainkit_strategies.registry import get_strategy
@@ -114,3 +114,24 @@ def test_the_guard_reads_its_rows_only_when_asked():
     assert other.found is None  # not read yet: no host synchronisation
     step, metric, value = other.read()
     assert (step, metric) == (11, "gradient norm") and math.isnan(value)
+
+
+class ValLog(Callback):
+    def __init__(self) -> None:
+        self.values: dict[int, float] = {}
+
+    def on_validation_end(self, trainer, module) -> None:
+        self.values[trainer.global_step] = float(trainer.callback_metrics["val_loss"])
+
+
+def test_each_checkpoint_is_ranked_by_the_score_of_its_own_step(tmp_path):
+    """Saving every 4 steps and validating every 8 used to rank steps 12 and 20 by the validation of steps 8 and 16
+    (and so call step 20 the best rather than step 24)."""
+    callback, logged = ModelCheckpoint(monitor="val_loss", every_n_train_steps=4, save_top_k=-1), ValLog()
+    trainer = quiet_trainer(tmp_path, max_steps=24, max_epochs=None, val_check_interval=8, check_val_every_n_epoch=None,
+                            callbacks=[callback, logged])
+    with pytest.warns(UserWarning, match=r"checkpoint at step 12 has no val_loss of its own"):
+        trainer.fit(Regression(lr=3e-2), loader(regression_data(), 4), loader(regression_data(16, seed=1), 8))
+    scores = {s["step"]: s["score"] for s in callback.saved}
+    assert scores == {4: None, 8: logged.values[8], 12: None, 16: logged.values[16], 20: None, 24: logged.values[24]}
+    assert callback.best["step"] == min(logged.values, key=logged.values.get)

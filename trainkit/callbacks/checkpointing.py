@@ -66,7 +66,7 @@ class ModelCheckpoint(Callback):
         self.async_save = async_save
         self.saved: list[dict[str, Any]] = []  # {"name", "step", "score"} of checkpoints this callback keeps
         self._last_step = -1  # the step of the last save (save_last adds none at the same step)
-        self._warned_missing = False
+        self._warned_missing = self._warned_stale = False
 
     @property
     def state_key(self) -> str:
@@ -131,6 +131,14 @@ class ModelCheckpoint(Callback):
                 self._warned_missing = True
             if score is not None and not math.isfinite(score):
                 score = None  # never ranked: a NaN or infinite score is neither best nor worst
+            if score is not None and trainer.results.logged_at(self.monitor) != trainer.results.boundary:
+                if not self._warned_stale:
+                    rank_zero_warn(f"ModelCheckpoint(monitor={self.monitor!r}): the checkpoint at step "
+                                   f"{trainer.global_step} has no {self.monitor} of its own (the latest is from an "
+                                   "earlier step), so it is kept as the newest but not ranked; save where the metric "
+                                   "is logged (with validation, every_n_train_steps a multiple of val_check_interval).")
+                    self._warned_stale = True
+                score = None
         fields = {"epoch": trainer.current_epoch, "step": trainer.global_step}
         fields |= {k.replace("/", "_"): v for k, v in metrics.items()}
         try:
