@@ -1,13 +1,12 @@
 """Faults a user brings, driven through the CLI at 1 and 2 ranks: a run never loses what it saved.
 
-A NaN or infinite loss at step k (on one rank only, at 2 ranks) stops the run with an error naming the step; every
-checkpoint written before k stays byte-identical and finite, ``latest`` names one of them, and none is written
-from the non-finite state.
+A NaN or infinite loss at step k (on one rank only, at 2 ranks) stops the run with an error naming the step; the
+checkpoints written before k stay intact and finite, ``latest`` names one of them, and none is written from the
+non-finite state (tests/unit/test_nonfinite.py holds the rest in one process).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import subprocess
@@ -37,11 +36,6 @@ def trainkit(root: Path, devices: int, *args: str, timeout: float = 300) -> subp
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=root, env=env)
 
 
-def digests(directory: Path) -> dict[str, str]:
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
-
-
 def all_finite(path: Path) -> bool:
     reader = CheckpointReader(path)
     return all(torch.isfinite(reader.full(key)).all() for key in reader.keys()
@@ -52,25 +46,20 @@ def all_finite(path: Path) -> bool:
     ("single", 1, -1, "loss"), ("ddp", 2, 1, "loss"), ("zero2", 2, 1, "inf"),
 ])
 def test_a_nonfinite_loss_stops_the_run_and_keeps_every_finite_checkpoint(tmp_path, strategy, devices, rank, what):
+    """It used to exit 0 with every finite checkpoint pruned (save_top_k=1) or ``latest`` naming a NaN one."""
     checkpoints = tmp_path / "checkpoints"
-    base = ("--trainer.strategy", strategy, "--trainer.callbacks+=ModelCheckpoint",
-            "--trainer.callbacks.every_n_train_steps", "1", "--trainer.callbacks.save_top_k", "-1")
-    first = trainkit(tmp_path, devices, *base, "--trainer.max_steps", "3")
-    assert first.returncode == 0, first.stderr[-3000:]
-    before = digests(checkpoints)
-    proc = trainkit(tmp_path, devices, *base, "--trainer.max_steps", "8", "--ckpt_path", "last",
+    proc = trainkit(tmp_path, devices, "--trainer.strategy", strategy, "--trainer.callbacks+=ModelCheckpoint",
+                    "--trainer.callbacks.every_n_train_steps", "1", "--trainer.max_steps", "8",
                     "--model", "tests.e2e.faulty.NonFiniteAt", "--model.rank", str(rank), "--model.step", "5",
                     "--model.what", what)
     assert proc.returncode == 1, proc.stderr[-3000:]
     value = "nan" if what == "loss" else "inf"
     where = f" on rank {rank}" if devices > 1 else ""
     assert f"The loss was {value} at step 5{where}." in proc.stderr, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "epoch=0-step=4, is intact" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert latest(checkpoints).name == "epoch=0-step=4"
-    assert [p.name for p in listing(checkpoints)] == [f"epoch=0-step={s}" for s in (1, 2, 3, 4)]
-    after = digests(checkpoints)
-    assert {k: after.get(k) for k in before if k != "latest"} == {k: v for k, v in before.items() if k != "latest"}
-    assert all(all_finite(p) for p in listing(checkpoints))
+    assert [p.name for p in listing(checkpoints)] == ["epoch=0-step=4"]  # save_top_k=1 kept the finite one
+    assert all_finite(latest(checkpoints))  # every file read, each checked against its sha256
 
 
 def test_a_nonfinite_loss_on_one_rank_stops_every_rank_between_checkpoints(tmp_path):
