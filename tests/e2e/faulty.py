@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import time
 from pathlib import Path
@@ -83,3 +84,18 @@ class EmptyOnRank(MarkovData):
         if int(os.environ.get("RANK", "0")) != self.empty_rank:
             return loader
         return DataLoader(Subset(loader.dataset, []), batch_size=loader.batch_size)
+
+
+class FileLimitAt(DemoGPT):
+    """Rank ``rank`` may not write files past 1 KB (``ulimit -f``, as a full disk fails a write) from optimizer
+    step ``step`` on: its next checkpoint file fails with EFBIG."""
+
+    def __init__(self, rank: int = 1, step: int = 3, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.limit_at = (rank, step)
+
+    def training_step(self, batch, batch_idx):
+        rank, step = self.limit_at
+        if self.global_rank == rank and self.global_step + 1 == step:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        return super().training_step(batch, batch_idx)

@@ -7,6 +7,7 @@ non-finite state (tests/unit/test_nonfinite.py holds the rest in one process).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -124,3 +125,36 @@ def test_sigterm_ends_a_run_within_seconds_when_no_step_comes(tmp_path):
 def latest_or_none(directory: Path) -> str | None:
     pointer = directory / "latest"
     return pointer.read_text().strip() if pointer.is_file() else None
+
+
+def test_a_fresh_run_into_a_used_directory_leaves_it_byte_identical_at_two_ranks(tmp_path):
+    base = ("--trainer.strategy", "zero2", "--trainer.callbacks+=ModelCheckpoint",
+            "--trainer.callbacks.every_n_train_steps", "2", "--trainer.callbacks.save_top_k", "-1")
+    first = trainkit(tmp_path, 2, *base, "--trainer.max_steps", "4")
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = digests(tmp_path / "checkpoints")
+    second = trainkit(tmp_path, 2, *base, "--trainer.max_steps", "2", "--model.lr", "0.01")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert digests(tmp_path / "checkpoints") == before
+    assert [p.name for p in listing(tmp_path / "checkpoints-v1")] == ["epoch=0-step=2"]
+    assert "this run writes its own to" in second.stdout
+
+
+def test_a_failed_write_on_one_rank_is_one_error_on_every_rank(tmp_path):
+    """Rank 1's shard of the step-3 checkpoint cannot be written (ulimit -f, as a full disk fails a write)."""
+    proc = trainkit(tmp_path, 2, "--trainer.strategy", "zero2", "--trainer.callbacks+=ModelCheckpoint",
+                    "--trainer.callbacks.every_n_train_steps", "1", "--trainer.max_steps", "6",
+                    "--model", "tests.e2e.faulty.FileLimitAt", "--model.rank", "1", "--model.step", "3")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"trainkit: error (rank {rank}): Writing checkpoint" in proc.stderr, proc.stderr[-3000:]
+    assert "rank 1: a file grew past the size limit" in proc.stderr and "[EFBIG]" in proc.stderr
+    assert "epoch=0-step=2, is intact" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    checkpoints = tmp_path / "checkpoints"
+    assert latest(checkpoints).name == "epoch=0-step=2" and all_finite(latest(checkpoints))
+    assert not [p for p in checkpoints.iterdir() if p.name.startswith(".tmp-")]
+
+
+def digests(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
