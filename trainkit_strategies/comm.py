@@ -266,8 +266,8 @@ class Comm:
             return
         start, heartbeat = time.perf_counter(), _heartbeat
 
-        def give_up() -> bool:
-            return heartbeat.failure is not None or time.perf_counter() - start > self.timeout_s
+        def give_up() -> bool:  # a verdict, or timeout_s, which names a rank stuck in its own code (liveness.py)
+            return heartbeat.waiting(time.perf_counter() - start, self.timeout_s)
 
         try:
             if p2p:
@@ -282,6 +282,7 @@ class Comm:
                         if give_up() or "timed out" not in str(err).lower():
                             raise
         except (RuntimeError, dist.DistError, TimeoutError) as err:
+            heartbeat.waiting(time.perf_counter() - start, self.timeout_s, failed=True)
             raise self._failed(err) from err
         finally:
             self.stats.wait_s += time.perf_counter() - start
