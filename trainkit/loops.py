@@ -276,6 +276,7 @@ class FitLoop:
             if self.strategy.is_global_zero:
                 print(f"{STEPS_CAP}={cap}: this fit stops after {cap} step(s), at step {self.stop_at}, and each "
                       "evaluation reads at most that many batches.", flush=True)
+        activity.step = self.progress.global_step  # a resumed fit's
         self.hooks("on_fit_start")
         sanity = self.config.num_sanity_val_steps
         if sanity and self.validates:
@@ -352,7 +353,7 @@ class FitLoop:
 
     def _step_ended(self) -> None:
         self.hooks("on_train_step_end", self.step.timing)
-        activity.enter("the step's end (checkpoint commit, preemption check)", self.progress.global_step)
+        activity.enter("the step's end (checkpoint commit, preemption check)")
         self.boundary()
 
     def _metrics(self) -> dict[str, float]:
@@ -368,10 +369,11 @@ class FitLoop:
         if stepped is None:
             return False
         p.global_step += 1
+        activity.step = p.global_step  # what the hooks from here on see as trainer.global_step
         if stepped:  # a step skipped for overflow does not advance the LR schedule
             self.step.step_scheduler("step", p.global_step, self._metrics)
         if p.global_step % c.log_every_n_steps == 0:
-            activity.enter("logging", p.global_step)
+            activity.enter("logging")
             self.emit(self.results.step_metrics())
         counted = p.total_batches if c.check_val_every_n_epoch is None else batch_idx
         if counted // val_every > p.val_marker and self._validation_epoch():

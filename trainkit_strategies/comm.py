@@ -238,7 +238,9 @@ class Comm:
         self.stats.bytes[kind] += tensor.numel() * tensor.element_size()
         self.stats.calls[kind] += 1
 
-    def _failed(self, err: BaseException | str) -> PeerError:
+    def _failed(self, err: BaseException | str, waited_s: float = 0.0) -> PeerError:
+        if _heartbeat is not None:  # a wait that failed past half of timeout_s names the rank it waited for
+            _heartbeat.waiting(waited_s, self.timeout_s, failed=True)
         verdict = _heartbeat.verdict() if _heartbeat is not None else None
         cause = f"{verdict}." if verdict else ("another rank crashed, was killed, raised an error, or did not answer "
                                               f"within timeout_s={self.timeout_s:g}.")
@@ -249,7 +251,7 @@ class Comm:
         try:
             return fn(*args, **kwargs)
         except (RuntimeError, dist.DistError) as err:
-            raise self._failed(err) from err
+            raise self._failed(err, time.perf_counter() - start) from err
         finally:
             self.stats.wait_s += time.perf_counter() - start
 
@@ -282,8 +284,7 @@ class Comm:
                         if give_up() or "timed out" not in str(err).lower():
                             raise
         except (RuntimeError, dist.DistError, TimeoutError) as err:
-            heartbeat.waiting(time.perf_counter() - start, self.timeout_s, failed=True)
-            raise self._failed(err) from err
+            raise self._failed(err, time.perf_counter() - start) from err
         finally:
             self.stats.wait_s += time.perf_counter() - start
 
