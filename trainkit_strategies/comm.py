@@ -239,7 +239,9 @@ class Comm:
         self.stats.bytes[kind] += tensor.numel() * tensor.element_size()
         self.stats.calls[kind] += 1
 
-    def _failed(self, err: BaseException | str) -> PeerError:
+    def _failed(self, err: BaseException | str, waited_s: float = 0.0) -> PeerError:
+        if _heartbeat is not None:  # a wait that failed past half of timeout_s names the rank it waited for
+            _heartbeat.waiting(waited_s, self.timeout_s, failed=True)
         verdict = _heartbeat.verdict() if _heartbeat is not None else None
         cause = f"{verdict}." if verdict else ("another rank crashed, was killed, raised an error, or did not answer "
                                               f"within timeout_s={self.timeout_s:g}.")
@@ -250,7 +252,7 @@ class Comm:
         try:
             return fn(*args, **kwargs)
         except (RuntimeError, dist.DistError) as err:
-            raise self._failed(err) from err
+            raise self._failed(err, time.perf_counter() - start) from err
         finally:
             self.stats.wait_s += time.perf_counter() - start
 
@@ -267,8 +269,8 @@ class Comm:
             return
         start, heartbeat = time.perf_counter(), _heartbeat
 
-        def give_up() -> bool:
-            return heartbeat.failure is not None or time.perf_counter() - start > self.timeout_s
+        def give_up() -> bool:  # a verdict, or timeout_s, which names a rank stuck in its own code (liveness.py)
+            return heartbeat.waiting(time.perf_counter() - start, self.timeout_s)
 
         try:
             if p2p:
@@ -283,7 +285,7 @@ class Comm:
                         if give_up() or "timed out" not in str(err).lower():
                             raise
         except (RuntimeError, dist.DistError, TimeoutError) as err:
-            raise self._failed(err) from err
+            raise self._failed(err, time.perf_counter() - start) from err
         finally:
             self.stats.wait_s += time.perf_counter() - start
 

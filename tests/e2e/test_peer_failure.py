@@ -35,7 +35,8 @@ def run(root: Path, *args: str, timeout: float = 300) -> tuple[subprocess.Comple
 
 
 @pytest.mark.parametrize(("how", "timeout_s", "names"), [
-    ("kill", 60, ""), ("raise", 60, "rank 1 failed (RuntimeError: injected failure)"), ("hang", 10, ""),
+    ("kill", 60, ""), ("raise", 60, "rank 1 failed (RuntimeError: injected failure)"),
+    ("hang", 10, "rank 1 has been in DiesAtStep.training_step at step 15 for"),
     # frozen: gloo alone would wait timeout_s (600 s) as NCCL does for a dead peer; the heartbeat notices in seconds
     ("freeze", 600, "rank 1 stopped answering: no heartbeat for"),
 ])
@@ -56,6 +57,25 @@ def test_failed_peer_stops_the_run_with_a_clear_error(tmp_path, how, timeout_s, 
     resumed, _ = run(tmp_path, "--ckpt_path", "last", "--trainer.timeout_s", "60")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert (tmp_path / "checkpoints" / "latest").read_text() == "epoch=1-step=20"
+
+
+@pytest.mark.parametrize("stuck", [1, 0])
+def test_a_rank_stuck_in_its_training_step_is_named_and_the_run_ends_within_timeout_s(tmp_path, stuck):
+    """The stuck rank's heartbeat goes on, so only timeout_s ends the others' wait: they warn half-way, then stop
+    naming its rank, step and phase, and the stuck rank (rank 0 too, the launcher, which nobody would stop) ends itself.
+    Before, they waited out timeout_s with no name, and a stuck rank 0 slept on (the subprocess timeout here)."""
+    proc, elapsed = run(tmp_path, "--model", "tests.e2e.faulty.DiesAtStep", "--model.how", "hang",
+                        "--model.rank", str(stuck), "--model.step", "2",
+                        "--trainer.timeout_s", "8", "--trainer.peer_timeout_s", "5", timeout=150)
+    other = 1 - stuck
+    doing = f"rank {stuck} has been in DiesAtStep.training_step at step 2 for"
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert f"trainkit: warning (rank {other}): {doing}" in proc.stderr, proc.stderr[-3000:]
+    assert f"trainkit: error (rank {other}): A collective across 2 ranks failed: {doing}" in proc.stderr
+    assert "while the other ranks waited for it (timeout_s=8)" in proc.stderr
+    assert f"trainkit: error (rank {stuck}): {doing}" in proc.stderr  # the stuck rank's own last words
+    assert "No checkpoint was committed before the failure." in proc.stderr
+    assert elapsed < 60, f"took {elapsed:.0f} s"  # start-up, two steps, timeout_s (8 s), the stuck rank's grace
 
 
 def test_a_peer_seconds_late_is_no_failure(tmp_path):
