@@ -161,8 +161,11 @@ def _estimate(parser: ArgumentParser, cfg: Namespace, sub_parser: ArgumentParser
     model_cfg = sub_cfg.get("model")
     if isinstance(model_cfg, Namespace) and model_cfg.get("class_path") == DEMO_MODEL and sub_cfg.get("data") is None:
         sub_cfg.data = Namespace(class_path=DEMO_DATA, init_args=Namespace())
-    with torch.device("meta"):
-        init = parser.instantiate(cfg).estimate
+    try:
+        with torch.device("meta"):
+            init = parser.instantiate(cfg).estimate
+    except (ValueError, TypeError) as err:  # a DataModule's or model's own check of its options
+        sub_parser.error(str(err))
     model, data, args = init.model, init.data, sub_cfg.trainer
     try:
         try:

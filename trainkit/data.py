@@ -50,6 +50,14 @@ class DataModule:
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+def check_batch_size(batch_size: int) -> int:
+    """``batch_size`` if a DataLoader can take it: refused in a DataModule's constructor, where the command line
+    builds it before any rank starts, instead of as torch's traceback from every rank once the run has begun."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigurationError(f"batch_size must be >= 1 (the samples in one rank's batch); got {batch_size!r}.")
+    return batch_size
+
+
 class ResumableSampler(Sampler[int]):
     """Shuffled (or sequential) indices, sharded across ranks by striding, resumable mid-epoch.
 
@@ -192,7 +200,12 @@ class DataConnector:
         elif isinstance(loaders, DataLoader):
             loaders = [loaders]
         if fn != "fit" and not loaders:
-            raise ValueError(f"No {fn} data: pass dataloaders, a datamodule, or implement {hook}() on the module.")
+            source = ("the DataModule " if isinstance(self._source, DataModule) else "the module ") + \
+                type(self._source).__name__
+            raise ConfigurationError(
+                f"No {fn} data: {source} has no {hook}(). Define {hook}() in the module or its DataModule (--data "
+                f"CLASS on the command line), or pass dataloaders to Trainer.{fn}()."
+            )
         self.val_dataloaders = [self._rebuild(dl, shuffle=False, pad=False) for dl in loaders]
 
     @property

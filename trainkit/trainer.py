@@ -28,7 +28,7 @@ from trainkit.dispatch import HookDispatch
 from trainkit.estimate import parse_bytes
 from trainkit.failures import leave_the_ranks
 from trainkit.loggers import Logger, TensorBoardLogger
-from trainkit.loops import EvalLoop, FitLoop, LoopConfig, Progress, loss_logger
+from trainkit.loops import EvalLoop, FitLoop, LoopConfig, Progress, check_val_schedule, loss_logger
 from trainkit.module import TrainModule
 from trainkit.optim import OptimizerConfig, parse_optimizers
 from trainkit.properties import TrainerProperties
@@ -150,6 +150,7 @@ class Trainer(TrainerProperties):
             raise ValueError(f"gradient_clip_val must be positive; got {gradient_clip_val}.")
         if log_every_n_steps < 1:
             raise ValueError(f"log_every_n_steps must be >= 1; got {log_every_n_steps}.")
+        check_val_schedule(val_check_interval, check_val_every_n_epoch)  # before any rank starts
         if devices < 1 or num_nodes < 1:
             raise ValueError(f"devices and num_nodes must be >= 1; got devices={devices}, num_nodes={num_nodes}.")
         if max_steps < -1 or (max_epochs is not None and max_epochs < 0):
@@ -177,8 +178,6 @@ class Trainer(TrainerProperties):
         launcher.joined()
 
         self.fast_dev_run = int(fast_dev_run)
-        if check_val_every_n_epoch is not None and check_val_every_n_epoch < 1:
-            raise ValueError(f"check_val_every_n_epoch must be >= 1 or None; got {check_val_every_n_epoch}.")
         if self.fast_dev_run:
             n = self.fast_dev_run
             limit_train_batches = limit_val_batches = limit_test_batches = limit_predict_batches = n
