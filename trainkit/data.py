@@ -181,6 +181,7 @@ class DataConnector:
         self._source: Any = None
         self._train_arg: Any = None
         self._source_train: Any = None  # the run's training loader as given (asked for once per run)
+        self._sharded_for: Any = None  # the strategy ``train_dataloader`` was sharded by
 
     def prepare(self, source: Any, train: Any) -> None:
         """A new run: ``source`` (a DataModule or the module) supplies what ``train`` (fit's loaders) does not."""
@@ -191,8 +192,8 @@ class DataConnector:
     def connect(self, fn: str, evaluation: Any) -> None:
         """Build the loaders ``fn`` ("fit", "validate", "test", "predict") uses; ``evaluation`` is the loaders
         passed for validation/test/prediction, if any."""
-        if fn == "fit" and self.train_dataloader is None:
-            self.connect_train()
+        if fn == "fit":
+            self.train()
         hook = self._HOOKS[fn]
         loaders = evaluation if evaluation is not None else getattr(self._source, hook)()
         if loaders is None:
@@ -226,8 +227,14 @@ class DataConnector:
         self._source_train = loader
         return loader
 
-    def connect_train(self) -> None:
-        self.train_dataloader = self._rebuild(self.source_train(), shuffle=None, pad=True)
+    def train(self) -> Any:
+        """The training loader, sharded by the run's strategy as it stands: under ``strategy="auto"`` a module
+        planned as fit starts may ask for it (``estimated_stepping_batches`` in ``configure_optimizers``) while the
+        planner's strategy holds the ranks, and the chosen one may split them otherwise (a tensor-parallel layout)."""
+        if self.train_dataloader is None or self._sharded_for is not self.strategy:
+            self.train_dataloader = self._rebuild(self.source_train(), shuffle=None, pad=True)
+            self._sharded_for = self.strategy
+        return self.train_dataloader
 
     def _rebuild(self, loader: Any, shuffle: bool | None, pad: bool) -> Any:
         if not self.use_distributed_sampler:
