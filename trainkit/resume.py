@@ -123,14 +123,15 @@ def restore(path: Path, module: Any, strategy: Strategy, states: States | None,
     return None
 
 
-def resume_hint(checkpoint_dir: Path) -> str:
-    """What to tell a user whose run failed: the intact checkpoint to resume from, if any."""
+def resume_hint(checkpoint_dir: Path, stop: str = "the failure") -> str:
+    """What to tell a user whose run failed (or stopped otherwise: ``stop``): the intact checkpoint to resume from,
+    if any."""
     try:
         last = ckpt.latest(checkpoint_dir)
     except ckpt.CheckpointError:
         last = None
     if last is None:
-        return "No checkpoint was committed before the failure."
+        return f"No checkpoint was committed before {stop}."
     return f"The last committed checkpoint, {last}, is intact: resume with --ckpt_path last (or ckpt_path='last')."
 
 
