@@ -457,7 +457,8 @@ class Trainer(TrainerProperties):
     def _states(self) -> dict[str, Any]:
         """What a checkpoint keeps besides tensors, by its key in meta.json (``resume.py``)."""
         return {"loop": self.fit_loop, "scheduler": self.lr_scheduler, "scaler": self.scaler,
-                "callbacks": {cb.state_key: cb for cb in self.callbacks}, "datamodule": self.datamodule}
+                "callbacks": {cb.state_key: cb for cb in self.callbacks}, "datamodule": self.datamodule,
+                "run": resume.RunShape(self.data, self.accumulate_grad_batches)}
 
     def _choose_strategy(self, module: TrainModule) -> None:
         """``strategy="auto"``: rank 0's plan (``auto.py``), and the chosen strategy in the planner's place."""
