@@ -23,7 +23,7 @@ from typing import Any, Literal, NoReturn
 import torch
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, lazy_instance
 
-from trainkit import launcher
+from trainkit import launcher, resume
 from trainkit.checkpoint import CheckpointError
 from trainkit.data import DataModule
 from trainkit.demo.gpt import DemoGPT
@@ -49,6 +49,7 @@ TOOLS = {
     "estimate": "Per-rank memory and communication of every strategy for this model, without allocating it.",
     "export": "Write a checkpoint's model to model.safetensors (or shards with an index), streaming piece by piece.",
 }
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: what a shell reports for a program Ctrl-C stopped
 DEMO_MODEL = "trainkit.demo.gpt.DemoGPT"
 DEMO_DATA = "trainkit.demo.markov.MarkovData"
 DEMO_TRAINER = {"max_steps": 2000, "val_check_interval": 500, "check_val_every_n_epoch": None,
@@ -162,8 +163,11 @@ def _estimate(parser: ArgumentParser, cfg: Namespace, sub_parser: ArgumentParser
     model_cfg = sub_cfg.get("model")
     if isinstance(model_cfg, Namespace) and model_cfg.get("class_path") == DEMO_MODEL and sub_cfg.get("data") is None:
         sub_cfg.data = Namespace(class_path=DEMO_DATA, init_args=Namespace())
-    with torch.device("meta"):
-        init = parser.instantiate(cfg).estimate
+    try:
+        with torch.device("meta"):
+            init = parser.instantiate(cfg).estimate
+    except (ValueError, TypeError) as err:  # a DataModule's or model's own check of its options
+        sub_parser.error(str(err))
     model, data, args = init.model, init.data, sub_cfg.trainer
     try:
         try:
@@ -298,6 +302,14 @@ def main(model_class: type[TrainModule] | None = None, datamodule_class: type[Da
             print(f"trainkit: error: {err}", file=sys.stderr, flush=True)
         launcher.wait_children()
         sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C, here or on a peer (failures.Interrupted): said once, without a traceback
+        if trainer.is_global_zero:
+            said = "trainkit: interrupted"
+            if subcommand == "fit":
+                said += f" after step {trainer.global_step}. {resume.resume_hint(trainer.checkpoint_dir, 'Ctrl-C')}"
+            print(said, file=sys.stderr, flush=True)
+        launcher.wait_children()
+        sys.exit(INTERRUPTED_EXIT_CODE)
     except Preempted as stop:
         print(f"trainkit: rank {trainer.global_rank} {stop}", file=sys.stderr, flush=True)
         launcher.wait_children()

@@ -50,6 +50,14 @@ class DataModule:
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+def check_batch_size(batch_size: int) -> int:
+    """``batch_size`` if a DataLoader can take it: refused in a DataModule's constructor, where the command line
+    builds it before any rank starts, instead of as torch's traceback from every rank once the run has begun."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigurationError(f"batch_size must be >= 1 (the samples in one rank's batch); got {batch_size!r}.")
+    return batch_size
+
+
 class ResumableSampler(Sampler[int]):
     """Shuffled (or sequential) indices, sharded across ranks by striding, resumable mid-epoch.
 
@@ -173,6 +181,7 @@ class DataConnector:
         self._source: Any = None
         self._train_arg: Any = None
         self._source_train: Any = None  # the run's training loader as given (asked for once per run)
+        self._sharded_for: Any = None  # the strategy ``train_dataloader`` was sharded by
 
     def prepare(self, source: Any, train: Any) -> None:
         """A new run: ``source`` (a DataModule or the module) supplies what ``train`` (fit's loaders) does not."""
@@ -183,8 +192,8 @@ class DataConnector:
     def connect(self, fn: str, evaluation: Any) -> None:
         """Build the loaders ``fn`` ("fit", "validate", "test", "predict") uses; ``evaluation`` is the loaders
         passed for validation/test/prediction, if any."""
-        if fn == "fit" and self.train_dataloader is None:
-            self.connect_train()
+        if fn == "fit":
+            self.train()
         hook = self._HOOKS[fn]
         loaders = evaluation if evaluation is not None else getattr(self._source, hook)()
         if loaders is None:
@@ -192,7 +201,12 @@ class DataConnector:
         elif isinstance(loaders, DataLoader):
             loaders = [loaders]
         if fn != "fit" and not loaders:
-            raise ValueError(f"No {fn} data: pass dataloaders, a datamodule, or implement {hook}() on the module.")
+            source = ("the DataModule " if isinstance(self._source, DataModule) else "the module ") + \
+                type(self._source).__name__
+            raise ConfigurationError(
+                f"No {fn} data: {source} has no {hook}(). Define {hook}() in the module or its DataModule (--data "
+                f"CLASS on the command line), or pass dataloaders to Trainer.{fn}()."
+            )
         self.val_dataloaders = [self._rebuild(dl, shuffle=False, pad=False) for dl in loaders]
 
     @property
@@ -213,8 +227,14 @@ class DataConnector:
         self._source_train = loader
         return loader
 
-    def connect_train(self) -> None:
-        self.train_dataloader = self._rebuild(self.source_train(), shuffle=None, pad=True)
+    def train(self) -> Any:
+        """The training loader, sharded by the run's strategy as it stands: under ``strategy="auto"`` a module
+        planned as fit starts may ask for it (``estimated_stepping_batches`` in ``configure_optimizers``) while the
+        planner's strategy holds the ranks, and the chosen one may split them otherwise (a tensor-parallel layout)."""
+        if self.train_dataloader is None or self._sharded_for is not self.strategy:
+            self.train_dataloader = self._rebuild(self.source_train(), shuffle=None, pad=True)
+            self._sharded_for = self.strategy
+        return self.train_dataloader
 
     def _rebuild(self, loader: Any, shuffle: bool | None, pad: bool) -> Any:
         if not self.use_distributed_sampler:

@@ -31,6 +31,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from trainkit.activation import apply_activation_checkpointing
+from trainkit.module import TrainModule
 from trainkit.optim import parse_optimizers
 from trainkit.step import unpack_output
 from trainkit.units import human, human_count, human_or_unknown, parse_bytes
@@ -146,15 +147,21 @@ class Estimate:
 
 def meta_copy(module: nn.Module) -> nn.Module:
     """A copy of ``module`` whose parameters and buffers are meta tensors of the same shapes (nothing of their data
-    is copied), detached from any Trainer."""
+    is copied). It shares the module's Trainer, if any, so that ``self.trainer`` reads as in the run (under
+    ``strategy="auto"`` the planner traces ``training_step`` as fit starts), but it is marked as planned: its
+    ``self.log`` records nothing there and its ``device`` is its parameters'."""
     memo: dict[int, Any] = {}
     trainer = getattr(module, "_trainer", None)
     if trainer is not None:
-        memo[id(trainer)] = None
+        memo[id(trainer)] = trainer
     for t in [*module.parameters(), *module.buffers()]:
         meta = torch.empty_like(t, device=META)
         memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    return copy.deepcopy(module, memo)
+    copied = copy.deepcopy(module, memo)
+    for sub in copied.modules():
+        if isinstance(sub, TrainModule):
+            sub._planned = True
+    return copied
 
 
 def _optimizer(module: nn.Module) -> Optimizer:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from trainkit.data import DataModule
+from trainkit.data import DataModule, check_batch_size
 from trainkit.module import TrainModule
 from trainkit.optim import warmup_cosine
 from trainkit.parallel import positions
@@ -91,7 +91,7 @@ class TextData(DataModule):
             raise ValueError(f"val_fraction must be in (0, 1); got {val_fraction}.")
         self.path, self.tokenizer, self.block_size, self.val_fraction = Path(path), tokenizer, block_size, val_fraction
         self.stride = stride or max(1, block_size // 2)
-        self.batch_size, self.num_workers = batch_size, num_workers
+        self.batch_size, self.num_workers = check_batch_size(batch_size), num_workers
         self._splits: dict[str, Tensor] = {}
 
     def tokens(self) -> Tensor:

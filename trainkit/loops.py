@@ -61,6 +61,21 @@ class LoopConfig:
     seed: int = 0
 
 
+def check_val_schedule(val_check_interval: int | float | None, check_val_every_n_epoch: int | None) -> None:
+    """Refuse a validation schedule the loop cannot keep (an interval of 0 divided the batch count at the first
+    step), naming the value and what is accepted; the Trainer asks before it starts any rank."""
+    interval = val_check_interval
+    if isinstance(interval, bool) or not (interval is None or (isinstance(interval, int) and interval >= 1)
+                                          or (isinstance(interval, float) and 0.0 < interval <= 1.0)):
+        raise ConfigurationError(
+            f"val_check_interval={interval!r}: use an int >= 1 (validate every that many training batches), a float "
+            "in (0, 1] (that fraction of each epoch) or None (at the end of each epoch)."
+        )
+    if check_val_every_n_epoch is not None and (isinstance(check_val_every_n_epoch, bool) or
+                                                check_val_every_n_epoch < 1):
+        raise ConfigurationError(f"check_val_every_n_epoch must be >= 1 or None; got {check_val_every_n_epoch}.")
+
+
 @dataclass
 class Progress:
     """Where a fit stands: what checkpoints store (as ``loop``) and resume.

@@ -43,6 +43,8 @@ class TrainModule(ModelHooks, nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._trainer: Trainer | None = None
+        self._planned = False  # a meta copy the planner traces (``estimate.meta_copy``): reads its Trainer, records
+        # nothing in it (no ``self.log``, no gathers) and lives on its own parameters' device
         self._hparams = AttributeDict()
 
     # -- steps --------------------------------------------------------------------------------------
@@ -102,7 +104,7 @@ class TrainModule(ModelHooks, nn.Module):
         emitted, so an epoch mean is the mean over every sample on every rank. Metrics objects compute
         (synchronising across ranks) and reset at epoch end.
         """
-        if self._trainer is None:
+        if self._trainer is None or self._planned:
             return
         self._trainer.results.log(name, value, prog_bar=prog_bar, logger=logger, on_step=on_step, on_epoch=on_epoch,
                                   reduce_fx=reduce_fx, sync_dist=sync_dist, batch_size=batch_size)
@@ -147,7 +149,7 @@ class TrainModule(ModelHooks, nn.Module):
 
     @property
     def device(self) -> torch.device:
-        if self._trainer is not None:
+        if self._trainer is not None and not self._planned:
             return self._trainer.strategy.device
         param = next(self.parameters(), None)
         return param.device if param is not None else torch.device("cpu")
@@ -176,7 +178,7 @@ class TrainModule(ModelHooks, nn.Module):
         """Gather a tensor, or every tensor in a collection, from all ranks: each gains a leading dimension
         of size ``world_size`` (same shape needed on every rank). On one process the data comes back
         unchanged, as in Lightning. Collective: every rank must call it."""
-        if self._trainer is None or self._trainer.world_size == 1:
+        if self._trainer is None or self._planned or self._trainer.world_size == 1:
             return data
         return apply_to_collection(data, Tensor, self._trainer.strategy.all_gather)
 

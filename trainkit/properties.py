@@ -124,9 +124,7 @@ class TrainerProperties:
         (to size a OneCycleLR, say): it fetches the training data early when needed."""
         if self.state != "fit":
             raise RuntimeError("estimated_stepping_batches is known only during fit.")
-        if self.data.train_dataloader is None:
-            self.data.connect_train()
-        return self.estimated_steps(num_batches(self.data.train_dataloader, self.limit_train_batches))
+        return self.estimated_steps(num_batches(self.data.train(), self.limit_train_batches))
 
     @property
     def num_training_batches(self) -> float:

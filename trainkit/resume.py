@@ -4,6 +4,8 @@ scheduler, loss scaler, callbacks, data, hyperparameters, the user's entries) an
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -45,6 +47,79 @@ def checkpoint_meta(states: States, module: Any, strategy: Strategy, precision: 
     on_save(user)
     meta["user"] = user
     return meta
+
+
+class RunShape:
+    """meta.json's ``run``: how the run walks its data (one rank's batch, the data-parallel ranks, the sampler's seed)
+    and steps (accumulation). A resumed fit compares it with the checkpoint's (``config_changes``), because the loop
+    saves its position in batches: it is never restored, the new run's settings stand."""
+
+    def __init__(self, data: Any, accumulate_grad_batches: int) -> None:
+        self.data, self.accumulate_grad_batches = data, accumulate_grad_batches
+
+    def state_dict(self) -> dict[str, Any]:
+        strategy = self.data.strategy
+        batch = getattr(self.data.train_dataloader, "batch_size", None)
+        return {"batch_size": batch, "dp_size": strategy.dp_size, "world_size": strategy.world_size,
+                "global_batch": batch * strategy.dp_size * self.accumulate_grad_batches if batch else None,
+                "seed": self.data.seed, "accumulate_grad_batches": self.accumulate_grad_batches}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing to restore (see the class)."""
+
+
+def config_changes(meta: Mapping[str, Any], module: Any, run: RunShape | None) -> list[str]:
+    """How this run differs from the one that saved ``meta``: its batch per data-parallel step (with the samples of
+    the interrupted epoch that a position counted in batches then skips or trains twice), sampler seed,
+    accumulation, and the module's hyperparameters (``saved → now``)."""
+    changes: list[str] = []
+    saved, now = meta.get("run"), run.state_dict() if run is not None else None
+    if saved and now:
+        changes += _run_changes(saved, now, meta.get("loop") or {})
+    hparams = meta.get("hyperparameters") or {}
+    current = jsonable(dict(module.hparams))
+    for key in sorted(hparams.keys() | current.keys()):
+        was, is_ = hparams.get(key, _UNSET), current.get(key, _UNSET)
+        if _comparable(was) != _comparable(is_):
+            changes.append(f"{key} {_shown(was)} → {_shown(is_)}")
+    return changes
+
+
+_UNSET = object()
+
+
+def _run_changes(saved: Mapping[str, Any], now: Mapping[str, Any], loop: Mapping[str, Any]) -> list[str]:
+    changes = []
+    batch, ranks = (saved.get("batch_size"), saved.get("dp_size")), (now.get("batch_size"), now.get("dp_size"))
+    if None not in batch + ranks and batch[0] * batch[1] != ranks[0] * ranks[1]:
+        before, after = batch[0] * batch[1], ranks[0] * ranks[1]
+        said = f"batch_size {batch[0]} → {ranks[0]}" if batch[1] == ranks[1] else \
+            f"batch_size {batch[0]} on {batch[1]} data-parallel rank(s) → {ranks[0]} on {ranks[1]}"
+        position = loop.get("batch_idx", 0) if not loop.get("epoch_done") else 0
+        if position:  # saved as batches of the epoch: the samples they cover change with the batch
+            trained, resumed = position * before, position * after
+            first, last = sorted((trained, resumed))
+            fate = "skipped" if resumed > trained else "trained twice"
+            said += (f" (epoch {loop.get('epoch', 0)} resumes {position} batches in, at sample {resumed} of its order "
+                     f"where the saved run had trained {trained}: samples {first} to {last - 1} are {fate})")
+        changes.append(said)
+    for key, name in (("seed", "sampler seed"), ("accumulate_grad_batches", "accumulate_grad_batches")):
+        if saved.get(key) is not None and saved.get(key) != now.get(key):
+            changes.append(f"{name} {saved[key]} → {now[key]}")
+    return changes
+
+
+def _comparable(value: Any) -> Any:
+    """A saved hyperparameter as compared: a repr's object address (``<Foo object at 0x7f...>``) differs from run to
+    run and says nothing."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", value) if isinstance(value, str) else value
+
+
+def _shown(value: Any) -> str:
+    if value is _UNSET:
+        return "(unset)"
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _state_of(obj: Any) -> Any:
@@ -112,6 +187,10 @@ def restore(path: Path, module: Any, strategy: Strategy, states: States | None,
     on_load(meta.get("user", {}))
     if states is None:
         return None
+    changes = config_changes(meta, module, states.get("run"))
+    if changes:
+        rank_zero_warn(f"Resuming {path} with a different configuration than it was saved with: "
+                       f"{'; '.join(changes)}.")
     ranks = meta.get("ranks", [])
     if meta.get("world_size") == world_size and len(ranks) == world_size:
         return ranks[rank]["rng"]
@@ -124,14 +203,15 @@ def restore(path: Path, module: Any, strategy: Strategy, states: States | None,
     return None
 
 
-def resume_hint(checkpoint_dir: Path) -> str:
-    """What to tell a user whose run failed: the intact checkpoint to resume from, if any."""
+def resume_hint(checkpoint_dir: Path, stop: str = "the failure") -> str:
+    """What to tell a user whose run failed (or stopped otherwise: ``stop``): the intact checkpoint to resume from,
+    if any."""
     try:
         last = ckpt.latest(checkpoint_dir)
     except ckpt.CheckpointError:
         last = None
     if last is None:
-        return "No checkpoint was committed before the failure."
+        return f"No checkpoint was committed before {stop}."
     return f"The last committed checkpoint, {last}, is intact: resume with --ckpt_path last (or ckpt_path='last')."
 
 

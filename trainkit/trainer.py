@@ -27,7 +27,7 @@ from trainkit.estimate import parse_bytes
 from trainkit.failures import leave_the_ranks
 from trainkit.loggers import Logger, TensorBoardLogger
 from trainkit.loggers.base import finalize_all
-from trainkit.loops import EvalLoop, FitLoop, LoopConfig, Progress, loss_logger
+from trainkit.loops import EvalLoop, FitLoop, LoopConfig, Progress, check_val_schedule, loss_logger
 from trainkit.module import TrainModule
 from trainkit.optim import OptimizerConfig, parse_optimizers
 from trainkit.properties import TrainerProperties
@@ -156,6 +156,7 @@ class Trainer(TrainerProperties):
             raise ValueError(f"gradient_clip_val must be positive; got {gradient_clip_val}.")
         if log_every_n_steps < 1:
             raise ValueError(f"log_every_n_steps must be >= 1; got {log_every_n_steps}.")
+        check_val_schedule(val_check_interval, check_val_every_n_epoch)  # before any rank starts
         if devices < 1 or num_nodes < 1:
             raise ValueError(f"devices and num_nodes must be >= 1; got devices={devices}, num_nodes={num_nodes}.")
         if max_steps < -1 or (max_epochs is not None and max_epochs < 0):
@@ -182,8 +183,6 @@ class Trainer(TrainerProperties):
         launcher.joined()
 
         self.fast_dev_run = int(fast_dev_run)
-        if check_val_every_n_epoch is not None and check_val_every_n_epoch < 1:
-            raise ValueError(f"check_val_every_n_epoch must be >= 1 or None; got {check_val_every_n_epoch}.")
         if self.fast_dev_run:
             n = self.fast_dev_run
             limit_train_batches = limit_val_batches = limit_test_batches = limit_predict_batches = n
@@ -455,7 +454,8 @@ class Trainer(TrainerProperties):
     def _states(self) -> dict[str, Any]:
         """What a checkpoint keeps besides tensors, by its key in meta.json (``resume.py``)."""
         return {"loop": self.fit_loop, "scheduler": self.lr_scheduler, "scaler": self.scaler,
-                "callbacks": {cb.state_key: cb for cb in self.callbacks}, "datamodule": self.datamodule}
+                "callbacks": {cb.state_key: cb for cb in self.callbacks}, "datamodule": self.datamodule,
+                "run": resume.RunShape(self.data, self.accumulate_grad_batches)}
 
     def _choose_strategy(self, module: TrainModule) -> None:
         """``strategy="auto"``: rank 0's plan (``auto.py``), and the chosen strategy in the planner's place."""

@@ -1,4 +1,4 @@
-"""Callbacks that record what a run did, for tests that drive the CLI in subprocesses."""
+"""Callbacks (and a module) that record what a run did, for tests that drive the CLI in subprocesses."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from trainkit.callbacks import Callback
+from trainkit.demo.gpt import DemoGPT
 
 
 class CommProbe(Callback):
@@ -85,3 +86,23 @@ class LateWriters(Callback):
         _POOLS.append(ThreadPoolExecutor(max_workers=1))  # kept, as torch.compile keeps its pool in a global
         _POOLS[-1].submit(int).result()
         atexit.register(lambda: Path(f"{self.path}.atexit.{rank}").write_text(f"step {step}"))
+
+
+class ReadsTrainer(DemoGPT):
+    """The demo model reading ``self.trainer`` in its hooks, as Lightning modules do; writes, on every rank, what
+    ``configure_optimizers`` and each ``training_step`` read to ``<path>.rank<r>.json`` when training ends."""
+
+    def __init__(self, path: str = "reads", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.path, self.reads = path, []
+
+    def configure_optimizers(self) -> Any:
+        self.reads.append(["configure_optimizers", self.trainer.world_size, self.trainer.estimated_stepping_batches])
+        return super().configure_optimizers()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.reads.append(["training_step", self.trainer.world_size, self.trainer.global_step])
+        return super().training_step(batch, batch_idx)
+
+    def on_train_end(self) -> None:
+        Path(f"{self.path}.rank{self.trainer.global_rank}.json").write_text(json.dumps(self.reads))

@@ -70,6 +70,9 @@ def test_unknown_strategy_lists_valid_ones(tmp_path, capsys):
         (["--trainer.precision", "fp8"], "Unknown precision 'fp8'"),
         (["--trainer.accumulate_grad_batches", "0"], "accumulate_grad_batches must be >= 1"),
         (["--trainer.bogus", "1"], "bogus"),
+        (["--trainer.val_check_interval", "0"], "trainkit: error: val_check_interval=0: use an int >= 1"),  # not 1/0
+        (["--data.batch_size", "0"], "trainkit: error: batch_size must be >= 1 (the samples in one rank's batch); "
+                                     "got 0."),
     ],
 )
 def test_bad_values_fail_with_a_clear_message(tmp_path, capsys, args, message):
@@ -77,6 +80,17 @@ def test_bad_values_fail_with_a_clear_message(tmp_path, capsys, args, message):
         main(args=["fit", "--trainer.default_root_dir", str(tmp_path), *args])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_predict_without_predict_data_is_one_error_block(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(args=["predict", "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "false",
+                   "--data.train_sequences", "64", "--data.val_sequences", "16"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-2:] == [
+        "trainkit: error: No predict data: the DataModule MarkovData has no predict_dataloader(). Define "
+        "predict_dataloader() in the module or its DataModule (--data CLASS on the command line), or pass dataloaders "
+        "to Trainer.predict().", "Run `trainkit predict --help` for the accepted options."]
 
 
 @pytest.mark.slow

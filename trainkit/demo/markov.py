@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from trainkit.data import DataModule
+from trainkit.data import DataModule, check_batch_size
 from trainkit.work import tracked
 
 
@@ -93,7 +93,7 @@ class MarkovData(DataModule):
     ) -> None:
         self.vocab_size, self.alpha, self.seq_len = vocab_size, alpha, seq_len
         self.train_sequences, self.val_sequences = train_sequences, val_sequences
-        self.batch_size, self.chain_seed, self.num_workers = batch_size, chain_seed, num_workers
+        self.batch_size, self.chain_seed, self.num_workers = check_batch_size(batch_size), chain_seed, num_workers
         self.chain: MarkovChain | None = None
         self._splits: dict[str, Tensor] = {}
 
