@@ -20,9 +20,10 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from trainkit import DataModule
-from trainkit.checkpoint import CheckpointReader, latest
+from trainkit.checkpoint import CheckpointReader
 from trainkit.cli import main
 from trainkit.demo.gpt import DemoGPT
+from trainkit.rundir import newest
 
 VOCAB = 256
 
@@ -100,7 +101,7 @@ class TextGPT(DemoGPT):
 def sample(checkpoint: str, prompt: str, length: int, temperature: float, seed: int) -> str:
     """Load a checkpoint written by any strategy into a plain TextGPT and continue ``prompt``."""
     path = Path(checkpoint)
-    reader = CheckpointReader(latest(path) if (path / "latest").is_file() else path)
+    reader = CheckpointReader(newest(path) if (path / "latest").is_file() else path)  # a directory: its newest run's
     hparams = {k: v for k, v in reader.meta["hyperparameters"].items() if k in TextGPT.__init__.__annotations__}
     model = TextGPT(**hparams).eval()
     state = {k.removeprefix("model/"): reader.full(k) for k in reader.keys() if k.startswith("model/")}

@@ -30,7 +30,8 @@ from typing import BinaryIO
 
 import torch
 
-from trainkit.checkpoint import LATEST, META, CheckpointError, CheckpointReader, latest, safetensors_header
+from trainkit.checkpoint import LATEST, META, CheckpointError, CheckpointReader, safetensors_header
+from trainkit.rundir import newest
 
 _DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
@@ -112,7 +113,7 @@ def export(checkpoint: str | Path, out: str | Path, max_shard_size: str | int | 
     """
     path = Path(checkpoint)
     if not (path / META).is_file() and (path / LATEST).is_file():
-        found = latest(path)
+        found = newest(path)  # the newest run's, where fresh runs wrote versions of the directory (``rundir.py``)
         assert found is not None
         path = found
     reader = CheckpointReader(path)

@@ -111,16 +111,27 @@ class FiniteGuard:
     def skip_step(self, norm: Tensor) -> bool:
         """Under "skip": whether the optimizer step being closed is skipped, its global gradient norm (the same on
         every rank) not being finite; more than ``max_skips`` in a row raise ``NonFiniteError``."""
-        value, step = float(norm), self.last_step + 1
+        value = float(norm)
         if math.isfinite(value):
             self.skips = 0
             return False
+        self._skipped(f"The gradient norm was {value}")
+        return True
+
+    def overflowed(self) -> None:
+        """The loss scaler skipped the step being closed (fp16: its gradients overflowed, every rank alike). That is
+        the scaler's to handle, so the step's losses are not held against the run; more than ``max_skips`` such
+        steps in a row are: a scale halved that often is no longer calibrating."""
+        if self._buffer is not None:
+            self._losses[self._filled].zero_()
+        self._skipped("The loss scaler found non-finite gradients")
+
+    def _skipped(self, what: str) -> None:
         self.skips += 1
         if self.skips > self.max_skips:
             raise NonFiniteError(
-                f"The gradient norm was {value} at step {step}, the {self.skips}th optimizer step in a row skipped "
-                f"for a non-finite gradient norm (max_nonfinite_skips={self.max_skips}). {self.hint()}")
-        return True
+                f"{what} at step {self.last_step + 1}, the {self.skips}th optimizer step in a row skipped for that "
+                f"(max_nonfinite_skips={self.max_skips}). {self.hint()}")
 
     def agree(self, pieces: Sequence[Piece] = ()) -> None:
         """Collectively: raise ``NonFiniteError`` on every rank if any rank saw a non-finite loss or gradient norm,

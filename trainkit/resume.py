@@ -156,7 +156,7 @@ def resolve(checkpoint_dir: Path, ckpt_path: str | Path) -> Path | None:
         return found
     path = Path(ckpt_path)
     if path.is_dir() and not (path / ckpt.META).exists() and (path / ckpt.LATEST).exists():
-        return ckpt.latest(path)
+        return newest(path)  # the newest run's, where fresh runs wrote versions of the directory (``rundir.py``)
     return path
 
 

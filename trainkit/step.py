@@ -217,9 +217,13 @@ class OptimizerStep:
         optimizer = strategy.optimizer
         skip, norm = self.precision.skips_step(strategy.grad_norm)  # a global norm: every rank decides alike
         guard = self.guard
-        if not skip and not guard.records:  # on_nonfinite="skip"
+        if skip:
+            guard.overflowed()
+        elif not guard.records:  # on_nonfinite="skip"
             norm = strategy.grad_norm() if norm is None else norm
             skip = guard.skip_step(norm)
+        else:
+            guard.skips = 0
         if not skip:
             for fn in self.hooks.fns("on_before_optimizer_step"):
                 fn(optimizer)

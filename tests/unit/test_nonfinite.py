@@ -135,3 +135,13 @@ def test_each_checkpoint_is_ranked_by_the_score_of_its_own_step(tmp_path):
     scores = {s["step"]: s["score"] for s in callback.saved}
     assert scores == {4: None, 8: logged.values[8], 12: None, 16: logged.values[16], 20: None, 24: logged.values[24]}
     assert callback.best["step"] == min(logged.values, key=logged.values.get)
+
+
+def test_fp16_overflow_skips_are_the_scalers_until_too_many_in_a_row(tmp_path):
+    """One inf is the loss scaler's to skip (tests/e2e/test_loss_scaling.py); an inf at every step from step 3 used to
+    halve the scale for ever while nothing trained."""
+    trainer = quiet_trainer(tmp_path, precision="16-mixed", max_steps=20, max_nonfinite_skips=3)
+    with pytest.raises(NonFiniteError, match=r"The loss scaler found non-finite gradients at step \d+, the 4th "
+                                             r"optimizer step in a row skipped"):
+        trainer.fit(NanAt(bad=tuple(range(3, 21)), value=math.inf), loader(regression_data(), 4))
+    assert trainer.scaler.skipped_steps == 4
