@@ -17,7 +17,9 @@ that trains on is lost from that step on, and a checkpoint written after it woul
 
 With ``on_nonfinite="skip"`` the step reads its global gradient norm instead (one host synchronisation per step,
 as the fp16 loss scaler's overflow check does) and skips the optimizer step when it is not finite, every rank
-alike; ``max_nonfinite_skips`` steps skipped in a row stop the run.
+alike; ``max_nonfinite_skips`` steps skipped in a row stop the run. Under fp16 loss scaling a step the scaler
+skips (its gradients overflowed) is the scaler's to handle in either mode: its losses are forgotten, and only more
+than ``max_nonfinite_skips`` such steps in a row stop the run.
 """
 
 from __future__ import annotations
@@ -169,5 +171,5 @@ def hint(last_checkpoint: str, on_nonfinite: str) -> str:
     """What to do after a non-finite step: fix the cause, then resume from the intact checkpoint."""
     other = "" if on_nonfinite == "skip" else (" To skip such steps instead of stopping, pass on_nonfinite='skip' "
                                                "(--trainer.on_nonfinite skip).")
-    return (f"No checkpoint was written from it. {last_checkpoint} Lower the learning rate, clip gradients "
-            f"(gradient_clip_val) or check the data for NaN.{other}")
+    return (f"The run stopped there and saved nothing from it. {last_checkpoint} Lower the learning rate, clip "
+            f"gradients (gradient_clip_val) or check the data for NaN.{other}")
