@@ -74,11 +74,11 @@ class FiniteGuard:
         self._losses, self._norms = list(self._buffer[:, 0].unbind()), list(self._buffer[:, 1].unbind())
 
     def add_loss(self, loss: Tensor) -> None:
-        """A micro-batch's loss (on any rank, and any pipeline stage that has one)."""
+        """A micro-batch's loss, detached (on any rank, and any pipeline stage that has one)."""
         if self.records:
             if self._buffer is None:
                 self._allocate()
-            self._losses[self._filled].add_(loss.detach() if loss.dim() == 0 else loss.detach().sum())
+            self._losses[self._filled].add_(loss if loss.dim() == 0 else loss.sum())
 
     def add_norm(self, norm: Tensor | None) -> None:
         """The step's global gradient norm, where the step computed one."""

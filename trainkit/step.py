@@ -188,7 +188,7 @@ class OptimizerStep:
         self._count = self._count + items
         self.last_loss = loss
         if isinstance(loss, Tensor):
-            self.guard.add_loss(loss)
+            self.guard.add_loss(loss.detach())
         if self.log_loss is not None:
             self.log_loss(loss)
         self.window += 1

@@ -313,9 +313,12 @@ class Trainer(TrainerProperties):
             dirpath, name, update_latest, async_save, on_commit)
 
     def _at_boundary(self) -> None:
+        self.saving.at_boundary(self.strategy, self.global_step, self._save_preempted)
+
+    def _save_preempted(self) -> Path:
         callback = self.checkpoint_callback
-        self.saving.at_boundary(self.strategy, self.global_step, lambda: callback.save(self, wait=True) if callback
-                                else self.save_checkpoint(self.checkpoint_dir, f"preempted-step={self.global_step}"))
+        return callback.save(self, wait=True) if callback else \
+            self.save_checkpoint(self.checkpoint_dir, f"preempted-step={self.global_step}")
 
     def resolve_ckpt_path(self, ckpt_path: str | Path) -> Path | None:
         """The checkpoint ``ckpt_path`` ("last", a checkpoint, or a directory with ``latest``) names."""
