@@ -78,8 +78,6 @@ def test_a_nonfinite_loss_on_one_rank_stops_every_rank_between_checkpoints(tmp_p
 @pytest.mark.parametrize(("args", "says"), [
     (("--trainer.limit_train_batches", "0"), "on each of the 2 ranks: the training dataloader yields no batches "
                                             "(limit_train_batches=0 leaves none of its 16 batches)"),
-    (("--data.train_sequences", "12", "--data.batch_size", "8"), "dataset of 12 samples makes no batch of batch_size=8 "
-                                                            "with drop_last=True"),
     (("--data", "tests.e2e.faulty.EmptyOnRank", "--data.rank", "1", "--trainer.use_distributed_sampler", "false"),
      "No training data on rank(s) 1 of 2"),
 ])
@@ -127,8 +125,9 @@ def latest_or_none(directory: Path) -> str | None:
     return pointer.read_text().strip() if pointer.is_file() else None
 
 
-def test_a_fresh_run_into_a_used_directory_leaves_it_byte_identical_at_two_ranks(tmp_path):
-    base = ("--trainer.strategy", "zero2", "--trainer.callbacks+=ModelCheckpoint",
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_a_fresh_run_into_a_used_directory_leaves_it_byte_identical_at_two_ranks(tmp_path, strategy):
+    base = ("--trainer.strategy", strategy, "--trainer.callbacks+=ModelCheckpoint",
             "--trainer.callbacks.every_n_train_steps", "2", "--trainer.callbacks.save_top_k", "-1")
     first = trainkit(tmp_path, 2, *base, "--trainer.max_steps", "4")
     assert first.returncode == 0, first.stderr[-3000:]
@@ -140,15 +139,17 @@ def test_a_fresh_run_into_a_used_directory_leaves_it_byte_identical_at_two_ranks
     assert "this run writes its own to" in second.stdout
 
 
-def test_a_failed_write_on_one_rank_is_one_error_on_every_rank(tmp_path):
-    """Rank 1's shard of the step-3 checkpoint cannot be written (ulimit -f, as a full disk fails a write)."""
-    proc = trainkit(tmp_path, 2, "--trainer.strategy", "zero2", "--trainer.callbacks+=ModelCheckpoint",
+@pytest.mark.parametrize(("strategy", "writer"), [("ddp", 0), ("zero2", 1)])
+def test_a_failed_write_on_one_rank_is_one_error_on_every_rank(tmp_path, strategy, writer):
+    """One rank's file of the step-3 checkpoint cannot be written (ulimit -f, as a full disk fails a write): under
+    ddp rank 0 writes the whole model, under zero2 rank 1 writes its shard."""
+    proc = trainkit(tmp_path, 2, "--trainer.strategy", strategy, "--trainer.callbacks+=ModelCheckpoint",
                     "--trainer.callbacks.every_n_train_steps", "1", "--trainer.max_steps", "6",
-                    "--model", "tests.e2e.faulty.FileLimitAt", "--model.rank", "1", "--model.step", "3")
+                    "--model", "tests.e2e.faulty.FileLimitAt", "--model.rank", str(writer), "--model.step", "3")
     assert proc.returncode == 1, proc.stderr[-3000:]
     for rank in (0, 1):
         assert f"trainkit: error (rank {rank}): Writing checkpoint" in proc.stderr, proc.stderr[-3000:]
-    assert "rank 1: a file grew past the size limit" in proc.stderr and "[EFBIG]" in proc.stderr
+    assert f"rank {writer}: a file grew past the size limit" in proc.stderr and "[EFBIG]" in proc.stderr
     assert "epoch=0-step=2, is intact" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     checkpoints = tmp_path / "checkpoints"
     assert latest(checkpoints).name == "epoch=0-step=2" and all_finite(latest(checkpoints))
