@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from trainkit.checkpoint_files import NotRegular, holds_file, open_dir, open_regular, read_name, sha256, table_problem
+from trainkit.storage import describe
 from trainkit_strategies import Strategy
 from trainkit_strategies.state import Piece, Strided, overlaps
 
@@ -183,7 +184,10 @@ def write_rank_file(tmp: Path, rank: int, pieces: list[Piece]) -> Written:
                              for p in pieces])
     if pieces:
         path = tmp / filename
-        sha = write_safetensors(path, {_stored_name(p.key, p.start, p.strided): p.data for p in pieces})
+        try:
+            sha = write_safetensors(path, {_stored_name(p.key, p.start, p.strided): p.data for p in pieces})
+        except OSError as err:  # a full disk, say: every rank hears of it at the commit, which fails on all of them
+            return Written(error=describe(err))
         written.files[filename] = {"sha256": sha, "bytes": path.stat().st_size}
     return written
 
@@ -250,10 +254,8 @@ def _move_into_place(staged: Staged) -> None:
     _fsync_dir(staged.dirpath)
 
 
-def save(
-    dirpath: str | Path, name: str, strategy: Strategy, meta: dict[str, Any], pieces: Iterable[Piece],
-    rank_state: dict[str, Any], update_latest: bool = True,
-) -> Path:
+def save(dirpath: str | Path, name: str, strategy: Strategy, meta: dict[str, Any], pieces: Iterable[Piece],
+         rank_state: dict[str, Any], update_latest: bool = True) -> Path:
     """Collectively write checkpoint ``dirpath/name``; every rank must call this."""
     staged = begin(dirpath, name, strategy, meta, rank_state, update_latest)
     host = [dataclasses.replace(p, data=p.data.detach().contiguous().cpu()) for p in pieces]

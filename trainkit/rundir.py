@@ -146,8 +146,7 @@ def claim(callbacks: list, resuming: Path | None, strategy: Any) -> list[Claim]:
             except ConfigurationError as err:
                 decided = (None, str(err))
             except OSError as err:
-                decided = (None, f"Checkpoints cannot be written to {directory}: {storage.describe(err)}. Point "
-                                 "--trainer.default_root_dir (or ModelCheckpoint dirpath) at a writable directory.")
+                decided = (None, storage.unwritable(directory, err))
             if directory != base and resuming is None and not again and decided[1] is None:
                 print(f"trainkit: {base} holds the checkpoints of an earlier run; this run writes its own to "
                       f"{directory} and leaves those as they are (resume the earlier run with --ckpt_path "

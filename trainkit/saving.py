@@ -9,7 +9,6 @@ checkpoint as ``latest``.
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -59,17 +58,11 @@ class Saving:
             self.saver.start(Path(dirpath), name, strategy, meta(), pieces, rank_state, update_latest, on_commit)
             return Path(dirpath) / name
         self.saver.finish(strategy)
-        staged = ckpt.begin(dirpath, name, strategy, meta(), rank_state, update_latest)
-        host = [dataclasses.replace(p, data=p.data.detach().contiguous().cpu()) for p in pieces]
-        try:
-            written = ckpt.write_rank_file(staged.tmp, strategy.rank, host)
-        except OSError as err:  # every rank hears of it at the commit, which fails on all of them
-            written = ckpt.Written(error=storage.describe(err))
-        try:
-            path = ckpt.commit(staged, strategy, written)
-        except OSError as err:  # rank 0's meta.json, rename or pointer
-            shutil.rmtree(staged.tmp, ignore_errors=True)
-            raise ckpt.CheckpointError(f"Writing checkpoint {staged.final} failed: {storage.describe(err)}. "
+        try:  # a rank whose file cannot be written fails the commit on every rank (``checkpoint.write_rank_file``)
+            path = ckpt.save(dirpath, name, strategy, meta(), pieces, rank_state, update_latest)
+        except OSError as err:  # rank 0's directory, meta.json, rename or pointer
+            shutil.rmtree(Path(dirpath) / f".tmp-{name}", ignore_errors=True)
+            raise ckpt.CheckpointError(f"Writing checkpoint {Path(dirpath) / name} failed: {storage.describe(err)}. "
                                        f"{resume.resume_hint(Path(dirpath))}") from err
         except ckpt.CheckpointError as err:
             raise ckpt.CheckpointError(f"{err} {resume.resume_hint(Path(dirpath))}") from err

@@ -95,7 +95,7 @@ class OptimizerStep:
                  log_loss: Callable[[Tensor], None] | None = None, equal_batches: bool = False,
                  guard: FiniteGuard | None = None) -> None:
         self.strategy, self.config, self.precision, self.hooks = strategy, config, precision, hooks
-        self.guard = guard if guard is not None else FiniteGuard(strategy, "stop", 1, 50)
+        self.guard = guard if guard is not None else FiniteGuard(strategy, "stop", 10, 50)  # the Trainer's defaults
         self.optimizers, self.log_loss = optimizers, log_loss
         self.equal_batches = equal_batches  # every rank's batches hold as many samples (trainkit's sampler)
         self.k = config.accumulate_grad_batches

@@ -61,8 +61,7 @@ def preflight(directory: Path, needed: tuple[int, int]) -> str | None:
             f.flush()
             os.fsync(f.fileno())
     except OSError as err:
-        return (f"Checkpoints cannot be written to {directory}: {describe(err)}. Point --trainer.default_root_dir "
-                "(or ModelCheckpoint dirpath) at a writable directory, or pass --trainer.enable_checkpointing false.")
+        return unwritable(directory, err)
     finally:
         probe.unlink(missing_ok=True)
     total, largest = needed
@@ -75,6 +74,11 @@ def preflight(directory: Path, needed: tuple[int, int]) -> str | None:
         return (f"Files may not grow past {_size(limit)} here (ulimit -f), and this run's checkpoint files take up to "
                 f"about {_size(largest)}: raise the limit (ulimit -f unlimited) before starting the run.")
     return None
+
+
+def unwritable(directory: Path, err: OSError) -> str:
+    return (f"Checkpoints cannot be written to {directory}: {describe(err)}. Point --trainer.default_root_dir (or "
+            "ModelCheckpoint dirpath) at a writable directory, or pass --trainer.enable_checkpointing false.")
 
 
 def sweep(directory: Path) -> None:
