@@ -31,6 +31,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from trainkit.activation import apply_activation_checkpointing
+from trainkit.manual import strategy_optimizer
 from trainkit.module import TrainModule
 from trainkit.optim import parse_optimizers
 from trainkit.step import unpack_output
@@ -166,7 +167,7 @@ def meta_copy(module: nn.Module) -> nn.Module:
 
 def _optimizer(module: nn.Module) -> Optimizer:
     try:
-        return parse_optimizers(module.configure_optimizers()).optimizer
+        return strategy_optimizer(parse_optimizers(module.configure_optimizers()))
     except Exception:  # configure_optimizers may need a Trainer; plan with plain AdamW then
         return torch.optim.AdamW(module.parameters())
 

@@ -417,12 +417,12 @@ class FitLoop:
         stepped = self.step.step()
         if stepped is None:
             return False
-        p.global_step += 1
+        p.global_step += self.step.taken  # under manual optimization each optimizer's step counts, as in Lightning
         self.step.guard.end_step(p.global_step)
         activity.step = p.global_step  # what the hooks from here on see as trainer.global_step
         if stepped:  # a step skipped for overflow does not advance the LR schedule
             self.step.step_scheduler("step", p.global_step, self._metrics)
-        if p.global_step % c.log_every_n_steps == 0:
+        if p.global_step // c.log_every_n_steps > (p.global_step - self.step.taken) // c.log_every_n_steps:
             activity.enter("logging")
             self.step.guard.read()  # a logging step waits for the device anyway
             self.emit(self.results.step_metrics())

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -11,6 +12,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from trainkit.hooks import ModelHooks
+from trainkit.manual import ManualOptimizer, ManualStep
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
@@ -46,6 +48,7 @@ class TrainModule(ModelHooks, nn.Module):
         self._planned = False  # a meta copy the planner traces (``estimate.meta_copy``): reads its Trainer, records
         # nothing in it (no ``self.log``, no gathers) and lives on its own parameters' device
         self._hparams = AttributeDict()
+        self._automatic_optimization = True
 
     # -- steps --------------------------------------------------------------------------------------
     def training_step(self, batch: Any, batch_idx: int) -> Tensor | Mapping[str, Any] | None:
@@ -182,16 +185,76 @@ class TrainModule(ModelHooks, nn.Module):
             return data
         return apply_to_collection(data, Tensor, self._trainer.strategy.all_gather)
 
-    def optimizers(self) -> torch.optim.Optimizer:
-        """The optimizer from ``configure_optimizers`` (re-targeted by the strategy)."""
-        optimizer = self.trainer.optimizer
-        if optimizer is None:
+    # -- optimization -------------------------------------------------------------------------------
+    @property
+    def automatic_optimization(self) -> bool:
+        """True (the default): the trainer runs backward and steps the optimizer. Set it False in ``__init__`` to do
+        both in ``training_step`` (``manual_backward``, ``opt.step()``), as Lightning's manual optimization; several
+        optimizers need it."""
+        return self._automatic_optimization
+
+    @automatic_optimization.setter
+    def automatic_optimization(self, value: bool) -> None:
+        self._automatic_optimization = bool(value)
+
+    def optimizers(self, use_pl_optimizer: bool = True) -> Any:
+        """The optimizer from ``configure_optimizers``, or a list of them when it returned several. Under manual
+        optimization each is wrapped so that ``step()`` and ``zero_grad()`` go through the strategy (reduction,
+        loss scaling, the step of this optimizer's own parameters); ``use_pl_optimizer=False`` gives the bare ones."""
+        config = self.trainer.optimizer_config
+        if config is None or self.trainer.optimizer is None:
             raise RuntimeError("optimizers() is available once fit has set up the optimizer.")
-        return optimizer
+        manual = self._manual()
+        found = manual.optimizers if manual is not None and use_pl_optimizer else config.optimizers
+        return found[0] if len(found) == 1 else list(found)
 
     def lr_schedulers(self) -> Any:
-        """The LR scheduler from ``configure_optimizers``, or None."""
-        return self.trainer.lr_scheduler
+        """The LR scheduler from ``configure_optimizers``, a list when it returned several, or None."""
+        config = self.trainer.optimizer_config
+        schedulers = [s.scheduler for s in config.schedulers] if config is not None else []
+        return None if not schedulers else schedulers[0] if len(schedulers) == 1 else schedulers
+
+    def manual_backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        """Under manual optimization, back-propagate ``loss`` (this rank's mean loss) through the strategy, with the
+        precision policy's loss scale; the gradients are averaged over the ranks when an optimizer steps."""
+        self._manual(required="manual_backward").backward(loss, *args, **kwargs)
+
+    def clip_gradients(self, optimizer: Any, gradient_clip_val: float | None = None,
+                       gradient_clip_algorithm: str | None = None) -> None:
+        """Clip the gradients ``optimizer`` steps next ("norm": by their global norm across ranks and shards, the
+        default; "value"): applied to the reduced gradients within its ``step()``, before the update."""
+        if gradient_clip_val is None:
+            return
+        manual = self._manual(required="clip_gradients")
+        manual.clip(_index_of(manual, optimizer), float(gradient_clip_val), gradient_clip_algorithm or "norm")
+
+    def toggle_optimizer(self, optimizer: Any) -> None:
+        """Only ``optimizer``'s parameters require gradients until ``untoggle_optimizer`` (the others' flags are
+        restored then), so a backward for one optimizer's loss leaves the other parameters without gradients."""
+        manual = self._manual(required="toggle_optimizer")
+        manual.toggle(_index_of(manual, optimizer))
+
+    def untoggle_optimizer(self, optimizer: Any) -> None:
+        self._manual(required="untoggle_optimizer").untoggle()
+
+    @contextlib.contextmanager
+    def toggled_optimizer(self, optimizer: Any) -> Iterator[None]:
+        """``toggle_optimizer`` inside, ``untoggle_optimizer`` after."""
+        self.toggle_optimizer(optimizer)
+        try:
+            yield
+        finally:
+            self.untoggle_optimizer(optimizer)
+
+    def _manual(self, required: str | None = None) -> ManualStep | None:
+        loop = self._trainer.fit_loop if self._trainer is not None else None
+        step = loop.step if loop is not None else None
+        if isinstance(step, ManualStep):
+            return step
+        if required is not None:
+            raise RuntimeError(f"{required} needs manual optimization during fit: set self.automatic_optimization = "
+                               "False in __init__.")
+        return None
 
     def freeze(self) -> None:
         """No gradients for any parameter, and eval mode."""
@@ -203,3 +266,12 @@ class TrainModule(ModelHooks, nn.Module):
         for param in self.parameters():
             param.requires_grad_(True)
         self.train()
+
+
+def _index_of(manual: ManualStep, optimizer: Any) -> int:
+    """The index of ``optimizer`` (a wrapper from ``optimizers()`` or the optimizer itself) among the run's."""
+    target = optimizer.optimizer if isinstance(optimizer, ManualOptimizer) else optimizer
+    for index, candidate in enumerate(manual.config.optimizers):
+        if candidate is target:
+            return index
+    raise ValueError(f"{type(target).__name__} is not one of the optimizers configure_optimizers returned.")

@@ -15,7 +15,7 @@ from trainkit.loggers import Logger
 if TYPE_CHECKING:
     from trainkit.callbacks.base import Callback
     from trainkit.loops import EvalLoop, FitLoop, Progress
-    from trainkit.optim import OptimizerConfig
+    from trainkit.optim import OptimizerConfig, SchedulerConfig
     from trainkit.results import Results
     from trainkit_strategies import DynamicLossScaler, Environment, Precision, Strategy
 
@@ -149,12 +149,18 @@ class TrainerProperties:
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
-        return [self.strategy.optimizer] if self.strategy.optimizer is not None else []
+        """The optimizers from ``configure_optimizers``, in the order returned."""
+        return list(self.optimizer_config.optimizers) if self.optimizer_config is not None else []
 
     @property
     def lr_scheduler(self) -> Any:
-        """The LR scheduler from ``configure_optimizers``, or None."""
+        """The (first) LR scheduler from ``configure_optimizers``, or None."""
         return self.optimizer_config.scheduler if self.optimizer_config is not None else None
+
+    @property
+    def lr_scheduler_configs(self) -> list[SchedulerConfig]:
+        """Every LR scheduler with its interval, frequency and monitor."""
+        return list(self.optimizer_config.schedulers) if self.optimizer_config is not None else []
 
     @property
     def checkpoint_callback(self) -> ModelCheckpoint | None:

@@ -74,14 +74,15 @@ def unpack_output(output: Any) -> tuple[Tensor | None, Any]:
 
 
 class OptimizerStep:
-    """Runs micro-batches into an accumulation window and closes it with one optimizer step.
+    """Runs micro-batches into an accumulation window and closes it with one optimizer step (automatic optimization;
+    ``manual.py`` has the manual one's).
 
     Args:
         strategy: does backward, reduction, clipping and the step.
         config: accumulation and clipping.
         precision: the precision policy: its loss scale weights each loss, and it decides a step skipped.
         hooks: dispatch of the backward/step hooks (``on_before_backward`` ... ``on_before_zero_grad``).
-        optimizers: the optimizer and LR scheduler from ``configure_optimizers``.
+        optimizers: the optimizer and LR schedulers from ``configure_optimizers``.
         log_loss: where a schedule-running strategy's batch loss is logged as ``train_loss`` (no
             ``training_step`` runs to log it).
         equal_batches: every rank's micro-batches hold as many samples as this rank's (the data comes through
@@ -89,6 +90,8 @@ class OptimizerStep:
         guard: notices non-finite losses and gradient norms (``finite.py``), and under ``on_nonfinite="skip"``
             decides which steps are skipped.
     """
+
+    taken = 1  # optimizer steps a closed window counts for (several under manual optimization)
 
     def __init__(self, strategy: Strategy, config: StepConfig, precision: Precision,
                  hooks: HookDispatch, optimizers: OptimizerConfig | None = None,
@@ -253,19 +256,19 @@ class OptimizerStep:
         return scale / self.precision.loss_scale if self.precision.loss_scaling else scale
 
     def step_scheduler(self, interval: str, count: int, metrics: Callable[[], dict[str, float]]) -> None:
-        """Step the LR scheduler if it runs on this ``interval`` ("step" or "epoch") and ``count`` hits its
+        """Step each LR scheduler that runs on this ``interval`` ("step" or "epoch") where ``count`` hits its
         frequency; ``metrics`` gives ReduceLROnPlateau its monitored value."""
-        cfg = self.optimizers
-        if cfg is None or cfg.scheduler is None or cfg.interval != interval or count % cfg.frequency:
-            return
-        if isinstance(cfg.scheduler, ReduceLROnPlateau):
-            values = metrics()
-            if cfg.monitor not in values:
-                raise KeyError(f"ReduceLROnPlateau monitors {cfg.monitor!r}, which was not logged; "
-                               f"logged: {sorted(values)}.")
-            cfg.scheduler.step(values[cfg.monitor])
-        else:
-            cfg.scheduler.step()
+        for cfg in self.optimizers.schedulers if self.optimizers is not None else ():
+            if cfg.interval != interval or count % cfg.frequency:
+                continue
+            if isinstance(cfg.scheduler, ReduceLROnPlateau):
+                values = metrics()
+                if cfg.monitor not in values:
+                    raise KeyError(f"ReduceLROnPlateau monitors {cfg.monitor!r}, which was not logged; "
+                                   f"logged: {sorted(values)}.")
+                cfg.scheduler.step(values[cfg.monitor])
+            else:
+                cfg.scheduler.step()
 
 
 def _on_device(count: Any, device: torch.device) -> Tensor:

@@ -25,9 +25,10 @@ from trainkit.data import DataConnector, DataModule
 from trainkit.dispatch import HookDispatch
 from trainkit.estimate import parse_bytes
 from trainkit.failures import leave_the_ranks
-from trainkit.loggers import Logger, TensorBoardLogger
+from trainkit.loggers import Logger, resolve_loggers
 from trainkit.loggers.base import finalize_all
 from trainkit.loops import EvalLoop, FitLoop, LoopConfig, Progress, check_val_schedule, loss_logger
+from trainkit.manual import ManualStep, check_manual, owners_by_name, strategy_optimizer
 from trainkit.module import TrainModule
 from trainkit.optim import OptimizerConfig, parse_optimizers
 from trainkit.properties import TrainerProperties
@@ -211,7 +212,7 @@ class Trainer(TrainerProperties):
         self.use_distributed_sampler = use_distributed_sampler
         self.deterministic, self.seed = deterministic, seed
 
-        self.loggers: list[Logger] = self._resolve_loggers(logger)
+        self.loggers: list[Logger] = resolve_loggers(logger, self.default_root_dir / "runs")
         self.callbacks: list[Callback] = list(callbacks or [])
         if enable_checkpointing and not any(isinstance(c, ModelCheckpoint) for c in self.callbacks):
             self.callbacks.append(ModelCheckpoint())
@@ -241,6 +242,7 @@ class Trainer(TrainerProperties):
         self._hooks: HookDispatch | None = None  # the current run's
         self.evaluation: EvalLoop | None = None
         self._logged_metrics: dict[str, float] = {}
+        self._owners: dict[str, int] = {}  # each trained parameter's optimizer (``manual.owners_by_name``)
         self._claims: list[rundir.Claim] = []  # rank 0's hold on the fit's checkpoint directories
 
     # -- construction helpers ---------------------------------------------------------------------
@@ -255,13 +257,6 @@ class Trainer(TrainerProperties):
         strategy.setup_environment(self.env)
         rank_zero_only.rank = self.env.rank
         return strategy
-
-    def _resolve_loggers(self, logger: bool | Logger | list[Logger]) -> list[Logger]:
-        if logger is True:
-            return [TensorBoardLogger(self.default_root_dir / "runs")]
-        if logger is False or logger is None:
-            return []
-        return list(logger) if isinstance(logger, Sequence) else [logger]
 
     # -- public state: more in TrainerProperties --------------------------------------------------
     def to_device(self, batch: Any) -> Any:
@@ -369,10 +364,12 @@ class Trainer(TrainerProperties):
             self.evaluation = EvalLoop(config, self.strategy, hooks, self.results, self.data, self._emit)
             if fn == "fit":
                 guard = self.saving.begin_fit(self.strategy, self.log_every_n_steps, lambda: self.checkpoint_dir)
-                step = OptimizerStep(self.strategy, StepConfig(self.accumulate_grad_batches, self.gradient_clip_val,
-                                                               self.gradient_clip_algorithm),
-                                     self.precision, hooks, self.optimizer_config, loss_logger(self.results),
-                                     equal_batches=self.data.equal_batches, guard=guard)
+                step = ManualStep(self.strategy, self.precision, hooks, self.optimizer_config, module, self._owners,
+                                  guard) if not module.automatic_optimization else OptimizerStep(
+                    self.strategy, StepConfig(self.accumulate_grad_batches, self.gradient_clip_val,
+                                              self.gradient_clip_algorithm), self.precision, hooks,
+                    self.optimizer_config, loss_logger(self.results), equal_batches=self.data.equal_batches,
+                    guard=guard)
                 self.fit_loop = FitLoop(config, self.progress, module, self.strategy, step, hooks, self.results,
                                         self.data, self.evaluation, self._emit, self._at_boundary)
             path = self.resolve_ckpt_path(ckpt_path) if ckpt_path is not None else None
@@ -450,13 +447,16 @@ class Trainer(TrainerProperties):
         if fn == "fit":
             if self.enable_model_summary and self.is_global_zero:
                 print(model_summary(module))
-            self.optimizer_config = parse_optimizers(module.configure_optimizers())
-            optimizer = self.optimizer_config.optimizer
+            config = self.optimizer_config = parse_optimizers(module.configure_optimizers())
+            check_manual(self.strategy, config, not module.automatic_optimization, self.accumulate_grad_batches,
+                         self.gradient_clip_val)
+            self._owners, optimizer = owners_by_name(config, module), strategy_optimizer(config)
         self.strategy.setup(module, optimizer, self.precision)
 
     def _states(self) -> dict[str, Any]:
         """What a checkpoint keeps besides tensors, by its key in meta.json (``resume.py``)."""
-        return {"loop": self.fit_loop, "scheduler": self.lr_scheduler, "scaler": self.scaler,
+        schedulers = self.optimizer_config if self.lr_scheduler is not None else None
+        return {"loop": self.fit_loop, "scheduler": schedulers, "scaler": self.scaler,
                 "callbacks": {cb.state_key: cb for cb in self.callbacks}, "datamodule": self.datamodule,
                 "run": resume.RunShape(self.data, self.accumulate_grad_batches)}
 

@@ -59,6 +59,8 @@ class Strategy(Ranks, GradientParts, Checkpointing, Planning, ABC):
     hybrid: ClassVar[bool] = False  # its shards can be replicated (setup_environment's replicas: HSDP) and its group
     # can hold context-parallel ranks (gradients summed over a sequence's chunks)
     splits_backward: ClassVar[bool] = True  # a backward may leave its weight gradients to a later pass (zero bubble)
+    manual_optimization: ClassVar[bool] = True  # steps whenever its caller says, over a window of any backwards, one
+    # optimizer of several at a time (Lightning's manual optimization): not where steps run in backward or by stage
 
     def __init__(self) -> None:
         self.env = Environment()

@@ -103,6 +103,7 @@ class ParallelStrategy(Wrapper, Parallelizes):
     """
 
     name = "parallel"
+    manual_optimization = False  # its axes step as one: tp/ep sums, pipeline stages running their own schedule
 
     def __init__(self, tp: int = 1, dp_shard: int | None = None, dp_replicate: int = 1, pp: int = 1,
                  sequence_parallel: bool = True, microbatches: int = 4, schedule: str = "1f1b",

@@ -6,7 +6,6 @@ import pytest
 import torch
 from torchmetrics import MeanMetric
 
-from trainkit.optim import parse_optimizers
 from trainkit.results import Results
 from trainkit_strategies import DynamicLossScaler, Precision
 
@@ -50,20 +49,6 @@ def test_bad_log_values_are_named():
         r.log("x", torch.ones(3))
     with pytest.raises(ValueError, match="reduce_fx"):
         r.log("y", 1.0, reduce_fx="median")
-
-
-def test_configure_optimizers_forms():
-    p = torch.nn.Parameter(torch.zeros(2))
-    opt = torch.optim.SGD([p], lr=0.1)
-    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
-    assert parse_optimizers(opt).scheduler is None
-    assert parse_optimizers(([opt], [sched])).scheduler is sched
-    cfg = parse_optimizers({"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}})
-    assert (cfg.scheduler, cfg.interval) == (sched, "step")
-    with pytest.raises(ValueError, match="interval"):
-        parse_optimizers({"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "hour"}})
-    with pytest.raises(ValueError, match="one optimizer"):
-        parse_optimizers(([opt, opt], []))
 
 
 def test_precision_policies():

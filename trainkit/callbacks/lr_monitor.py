@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 
 
 class LearningRateMonitor(Callback):
-    """Logs ``lr-<Optimizer>`` (``/pg<i>`` per group when there are several) every logging step or epoch.
+    """Logs ``lr-<Optimizer>`` (``/pg<i>`` per group when there are several; ``lr-<Optimizer>-1`` for a second
+    optimizer of a class) every logging step or epoch.
 
     Args:
         logging_interval: "step" (at ``log_every_n_steps``) or "epoch".
@@ -25,14 +26,18 @@ class LearningRateMonitor(Callback):
         self.logging_interval = logging_interval
 
     def _values(self, trainer: Trainer) -> dict[str, float]:
-        optimizer = trainer.optimizer
-        if optimizer is None:
-            return {}
-        name = f"lr-{type(optimizer).__name__}"
-        groups = optimizer.param_groups
-        if len(groups) == 1:
-            return {name: float(groups[0]["lr"])}
-        return {f"{name}/pg{i}": float(g["lr"]) for i, g in enumerate(groups)}
+        values: dict[str, float] = {}
+        seen: dict[str, int] = {}
+        for optimizer in trainer.optimizers:  # several of one class: lr-Adam, lr-Adam-1, as Lightning names them
+            base = f"lr-{type(optimizer).__name__}"
+            name = base if base not in seen else f"{base}-{seen[base]}"
+            seen[base] = seen.get(base, 0) + 1
+            groups = optimizer.param_groups
+            if len(groups) == 1:
+                values[name] = float(groups[0]["lr"])
+            else:
+                values |= {f"{name}/pg{i}": float(g["lr"]) for i, g in enumerate(groups)}
+        return values
 
     def on_train_step_end(self, trainer: Trainer, module: TrainModule, timing: StepTiming) -> None:
         step = trainer.global_step

@@ -181,7 +181,8 @@ class DDPStrategy(Strategy):
         return self.compressor is not None and self.compressor.active and self.comm.active
 
     def reduce_gradients(self, scale: float | Tensor) -> None:
-        unused = [p for p, s in self._slots.items() if not s.used]
+        unused = [p for p, s in self._slots.items() if not s.used and p.requires_grad]  # not: frozen for now (a
+        # toggled optimizer's); their part of the bucket is zeroed and reduced as an unused parameter's
         if unused and not self.find_unused_parameters:
             names = ", ".join(self._names[p] for p in unused[:10])
             raise RuntimeError(

@@ -63,6 +63,7 @@ class ZeroOffloadStrategy(StepsInBackward, Zero2Strategy):
     """
 
     name = "zero_offload"
+    manual_optimization = False  # its host step may run during the window's last backward
 
     def __init__(self, bucket_mb: float = 25.0, offload: bool = True, ratio: float = 1.0,
                  overlap_step: bool | None = None, delayed_update: bool = False, broadcast_buffers: bool = True,

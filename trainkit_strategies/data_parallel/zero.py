@@ -87,6 +87,11 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         self._uploaded: Any = None  # event: the last step's parameter copies to the device have been issued
 
     @property
+    def manual_optimization(self) -> bool:  # type: ignore[override]
+        """Not under offload, whose host step and gradient partition work for one optimizer's window at a time."""
+        return not self.offload
+
+    @property
     def accepts_self_reducing(self) -> bool:  # type: ignore[override]
         """1-bit Adam's compressed phase needs the reduce-scatter on the device (not under offload)."""
         return not self.offload
