@@ -308,7 +308,8 @@ def estimate(module: nn.Module, batch: Any, world_size: int = 1, precision: str 
 
     Args:
         batch: one micro-batch as a rank sees it (any device; only its shapes and dtypes matter), or None: the
-            model-state columns only (activations and the step's bytes depend on the data).
+            model-state columns only (activations and the step's bytes depend on the data). A module under manual
+            optimization is planned without it: its ``training_step`` runs backwards and steps itself.
         precision: the Trainer's precision.
         device_memory: bytes per device ("80GB") to say which plans fit (with 10% headroom).
         activation_checkpointing: the modules of the checkpointed columns, "(sel)" (selective recomputation) and
@@ -322,6 +323,8 @@ def estimate(module: nn.Module, batch: Any, world_size: int = 1, precision: str 
         devices_per_node: ranks per node (default: the world): a tensor-parallel group stays within one.
         activation_checkpointing_every: checkpoint one selected module in this many (the Trainer's option).
     """
+    if not getattr(module, "automatic_optimization", True):
+        batch = None
     module = meta_copy(module)
     module.configure_model()
     policy = Precision.from_name(precision)

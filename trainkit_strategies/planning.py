@@ -25,6 +25,7 @@ class Planning:
     comm: Comm
     module: nn.Module | None
     optimizer: Optimizer | None
+    manual_optimization: bool
 
     def comms(self) -> list[Comm]:
         """Every communicator this strategy moves data through (their stats together are its traffic)."""
@@ -39,6 +40,8 @@ class Planning:
         """Why this strategy cannot train ``module`` with ``optimizer`` (None: it can)."""
         if isinstance(optimizer, SelfReducing) and not self.accepts_self_reducing:
             return f"{type(optimizer).__name__} does not run under {self.name}"
+        if not getattr(module, "automatic_optimization", True) and not self.manual_optimization:
+            return f"{self.name} does not run manual optimization"
         return None
 
     def planned(self, module: nn.Module, world_size: int) -> tuple[Strategy, list[int]]:

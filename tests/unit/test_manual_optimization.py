@@ -197,3 +197,17 @@ def test_manual_calls_outside_manual_optimization_say_so(tmp_path):
     module.automatic_optimization = True
     with pytest.raises(RuntimeError, match="automatic_optimization = False"):
         _trainer(tmp_path).fit(module, DataLoader(regression_data(), batch_size=8))
+
+
+def test_planning_counts_both_optimizers_and_names_what_cannot_run_it(tmp_path):
+    """The planner sets a manual module up with its two optimizers (no batch: its training_step steps itself); the
+    optimizer bytes it plans under ddp equal what a real run's two Adams hold."""
+    from trainkit.estimate import estimate
+
+    module = GAN()
+    _trainer(tmp_path, max_steps=2).fit(module, DataLoader(gan_data(), batch_size=8))
+    held = sum(t.numel() * t.element_size() for o in module.trainer.optimizers for s in o.state.values()
+               for t in s.values())
+    rows = {r.name: r for r in estimate(GAN(), None, world_size=2).rows}
+    assert rows["ddp"].detail["optimizer"] == held > 0
+    assert rows["zero_offload"].note == "n/a: zero_offload does not run manual optimization"
