@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -72,22 +72,24 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def world() -> dict[str, torch.Tensor]:
-    with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(_worker, args=(free_port(), out), nprocs=WORLD, join=False, start_method="spawn")
-        deadline = time.monotonic() + 600
-        try:
-            while not ctx.join(timeout=2):
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the two ranks did not finish the manual-optimization cases in 600 s")
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-            errors = [p.read_text() for p in Path(out).glob("*.error")]
-            raise RuntimeError(f"a rank failed:\n{errors[0] if errors else err}") from err
-        finally:
-            for proc in ctx.processes:
-                if proc.is_alive():
-                    proc.terminate()
-        return torch.load(Path(out, "results.pt"))
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = str(tmp_path_factory.mktemp("manual"))
+    ctx = mp.start_processes(_worker, args=(free_port(), out), nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + 600
+    try:
+        while not ctx.join(timeout=2):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the two ranks did not finish the manual-optimization cases in 600 s")
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+        errors = [p.read_text() for p in Path(out).glob("*.error")]
+        raise RuntimeError(f"a rank failed:\n{errors[0] if errors else err}") from err
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.terminate()
+    results = torch.load(Path(out, "results.pt"))
+    results["source"] = Path(out, "source")
+    return results
 
 
 def test_single_equals_the_plain_loop_bitwise(tmp_path):
@@ -116,6 +118,15 @@ def test_resumes_mid_epoch_across_strategies(world, strategy):
     if strategy == "ddp":
         assert torch.equal(resumed, uninterrupted)
     torch.testing.assert_close(resumed, uninterrupted, **TOL)
+
+
+@pytest.mark.slow
+def test_resumes_at_another_world_size(world, tmp_path):
+    """ddp's two-rank checkpoint after 5 batches, resumed by one process on the whole global batches."""
+    source = Trainer(logger=False, default_root_dir=world["source"]).resolve_ckpt_path("last")
+    losses, _ = _fit("single", tmp_path, 1, ckpt_path=str(source))
+    plain = torch.stack(train_plain(EPOCHS * 8, PER_RANK * WORLD))[5:]
+    torch.testing.assert_close(torch.stack(losses), plain, **TOL)
 
 
 @pytest.mark.slow

@@ -211,3 +211,37 @@ def test_planning_counts_both_optimizers_and_names_what_cannot_run_it(tmp_path):
     rows = {r.name: r for r in estimate(GAN(), None, world_size=2).rows}
     assert rows["ddp"].detail["optimizer"] == held > 0
     assert rows["zero_offload"].note == "n/a: zero_offload does not run manual optimization"
+
+
+class Overflowing(GAN):
+    """At batch 1 the generator's loss is infinite: under fp16 loss scaling its step is skipped (every rank alike)
+    and the scale backs off, while the discriminator's step of the same batch runs."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt_g, opt_d = self.optimizers()
+        real, z = batch
+        before = [p.detach().clone() for p in (*self.generator.parameters(), *self.discriminator.parameters())]
+        scale = self.trainer.scaler.scale
+        with self.toggled_optimizer(opt_g):
+            g_loss = _adversarial(self.discriminator(self(z)), real=True) * (float("inf") if batch_idx == 1 else 1)
+            self.manual_backward(g_loss)
+            opt_g.step()
+            opt_g.zero_grad()
+        with self.toggled_optimizer(opt_d):
+            d_loss = _adversarial(self.discriminator(real), True)
+            self.manual_backward(d_loss)
+            opt_d.step()
+            opt_d.zero_grad()
+        after = [p.detach() for p in (*self.generator.parameters(), *self.discriminator.parameters())]
+        changed = [not torch.equal(b, a) for b, a in zip(before, after, strict=True)]
+        self.losses.append(torch.tensor([any(changed[:6]), any(changed[6:]), scale]))
+
+
+def test_an_fp16_overflow_skips_that_optimizers_step_only(tmp_path):
+    module = Overflowing()
+    trainer = _trainer(tmp_path, max_steps=6, precision="16-mixed")
+    trainer.fit(module, DataLoader(gan_data(), batch_size=8))
+    moved = torch.stack(module.losses)
+    assert moved[:, 0].tolist() == [1.0, 0.0, 1.0] and moved[:, 1].tolist() == [1.0, 1.0, 1.0]
+    assert trainer.scaler.scale == moved[1, 2] / 2  # backed off once, at the skipped step
+    assert trainer.global_step == 6  # a skipped step is a step, as under automatic optimization
