@@ -313,16 +313,27 @@ class NoBatchIdx(Regression):
         return self(batch[0])
 
 
-def test_a_positional_datamodule_and_steps_without_batch_idx(tmp_path):
-    module, dm = NoBatchIdx(), RegressionData()
+def test_a_datamodule_passed_where_the_dataloaders_go(tmp_path):
+    module, dm = GradMode(), RegressionData()
     trainer = quiet_trainer(tmp_path)
     trainer.fit(module, dm)
     assert trainer.global_step == 4 and "val_loss" in trainer.callback_metrics
     assert "val_loss" in trainer.validate(module, dm, verbose=False)[0]
-    assert "test_loss" in trainer.test(module, dm, verbose=False)[0]
+    trainer.test(module, dm, verbose=False)
     assert len(trainer.predict(module, dm)) == 2
+    assert [loop for loop, *_ in module.modes].count("test") == 2
     with pytest.raises(ConfigurationError, match="dataloaders and a datamodule"):
         trainer.fit(module, dm, loader(regression_data(8), 4))
+
+
+def test_steps_without_batch_idx(tmp_path):
+    module, data = NoBatchIdx(), loader(regression_data(16), 4)
+    trainer = quiet_trainer(tmp_path)
+    trainer.fit(module, data, data)
+    assert trainer.global_step == 4 and "val_loss" in trainer.callback_metrics
+    assert "val_loss" in trainer.validate(module, data, verbose=False)[0]
+    assert "test_loss" in trainer.test(module, data, verbose=False)[0]
+    assert len(trainer.predict(module, data)) == 4
 
 
 class Recording(Logger):
