@@ -259,7 +259,7 @@ class Trainer(TrainerProperties):
     def fit(
         self,
         module: TrainModule,
-        train_dataloaders: DataLoader | None = None,
+        train_dataloaders: DataLoader | DataModule | None = None,
         val_dataloaders: DataLoader | Sequence[DataLoader] | None = None,
         datamodule: DataModule | None = None,
         ckpt_path: str | Path | None = None,
@@ -268,21 +268,21 @@ class Trainer(TrainerProperties):
         self._run("fit", module, datamodule, ckpt_path, train=train_dataloaders, evaluation=val_dataloaders)
 
     def validate(
-        self, module: TrainModule, dataloaders: DataLoader | Sequence[DataLoader] | None = None,
+        self, module: TrainModule, dataloaders: DataLoader | Sequence[DataLoader] | DataModule | None = None,
         datamodule: DataModule | None = None, ckpt_path: str | Path | None = None, verbose: bool = True,
     ) -> list[dict[str, float]]:
         """Run the validation loop once; ``verbose`` prints the results on rank 0."""
         return self._run("validate", module, datamodule, ckpt_path, evaluation=dataloaders, verbose=verbose)
 
     def test(
-        self, module: TrainModule, dataloaders: DataLoader | Sequence[DataLoader] | None = None,
+        self, module: TrainModule, dataloaders: DataLoader | Sequence[DataLoader] | DataModule | None = None,
         datamodule: DataModule | None = None, ckpt_path: str | Path | None = None, verbose: bool = True,
     ) -> list[dict[str, float]]:
         """Run the test loop once; ``verbose`` prints the results on rank 0."""
         return self._run("test", module, datamodule, ckpt_path, evaluation=dataloaders, verbose=verbose)
 
     def predict(
-        self, module: TrainModule, dataloaders: DataLoader | Sequence[DataLoader] | None = None,
+        self, module: TrainModule, dataloaders: DataLoader | Sequence[DataLoader] | DataModule | None = None,
         datamodule: DataModule | None = None, ckpt_path: str | Path | None = None,
     ) -> list[Any]:
         return self._run("predict", module, datamodule, ckpt_path, evaluation=dataloaders)
