@@ -23,7 +23,7 @@ from typing import Any, Literal, NoReturn
 import torch
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, lazy_instance
 
-from trainkit import launcher, resume
+from trainkit import arguments, launcher, resume
 from trainkit.checkpoint import CheckpointError
 from trainkit.data import DataModule
 from trainkit.demo.gpt import DemoGPT
@@ -174,14 +174,16 @@ def _estimate(parser: ArgumentParser, cfg: Namespace, sub_parser: ArgumentParser
             batch = one_batch(model, data)
         except NoBatch:  # the model-state columns need none; the activations and the step's bytes are unknown
             batch = None
-        world = (sub_cfg.devices_per_node or args.devices) * (sub_cfg.nodes or args.num_nodes)
-        device_type = sub_cfg.device_type or Environment.accelerator_type(args.accelerator)
+        accelerator = arguments.resolve_accelerator(args.accelerator)
+        devices = arguments.resolve_devices(args.devices, accelerator)
+        world = (sub_cfg.devices_per_node or devices) * (sub_cfg.nodes or args.num_nodes)
+        device_type = sub_cfg.device_type or Environment.accelerator_type(accelerator)
         memory = sub_cfg.device_memory
         if memory is None and device_type == "cuda" and torch.cuda.is_available():
             memory = torch.cuda.get_device_properties(0).total_memory
         plan = estimate(model, batch, world_size=world, precision=args.precision, device_memory=memory,
                         activation_checkpointing=args.activation_checkpointing, device_type=device_type,
-                        devices_per_node=sub_cfg.devices_per_node or args.devices,
+                        devices_per_node=sub_cfg.devices_per_node or devices,
                         activation_checkpointing_every=args.activation_checkpointing_every)
     except (ValueError, TypeError, RuntimeError) as err:
         sub_parser.error(str(err))

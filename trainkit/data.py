@@ -173,14 +173,17 @@ class DataConnector:
     _HOOKS = {"fit": "val_dataloader", "validate": "val_dataloader", "test": "test_dataloader",
               "predict": "predict_dataloader"}
 
-    def __init__(self, strategy: Callable[[], Any], precision: Any, use_distributed_sampler: bool, seed: int) -> None:
+    def __init__(self, strategy: Callable[[], Any], precision: Any, use_distributed_sampler: bool, seed: int,
+                 overfit: bool = False) -> None:
         self._strategy, self.precision = strategy, precision
         self.use_distributed_sampler, self.seed = use_distributed_sampler, seed
+        self.overfit = overfit  # overfit_batches: every loader in order, never shuffled (Lightning's)
         self.train_dataloader: Any = None
         self.val_dataloaders: list[Any] = []
         self._source: Any = None
         self._train_arg: Any = None
         self._source_train: Any = None  # the run's training loader as given (asked for once per run)
+        self._evaluation: Any = None  # the evaluation loaders passed to the run, if any
         self._sharded_for: Any = None  # the strategy ``train_dataloader`` was sharded by
 
     def prepare(self, source: Any, train: Any) -> None:
@@ -194,6 +197,7 @@ class DataConnector:
         passed for validation/test/prediction, if any."""
         if fn == "fit":
             self.train()
+        self._evaluation = evaluation
         hook = self._HOOKS[fn]
         loaders = evaluation if evaluation is not None else getattr(self._source, hook)()
         if loaders is None:
@@ -208,6 +212,12 @@ class DataConnector:
                 f"CLASS on the command line), or pass dataloaders to Trainer.{fn}()."
             )
         self.val_dataloaders = [self._rebuild(dl, shuffle=False, pad=False) for dl in loaders]
+
+    def reload(self) -> None:
+        """A fit's loaders built again from their source (``reload_dataloaders_every_n_epochs``); loaders passed to
+        ``fit`` come back as they are, as in Lightning."""
+        self._source_train = self.train_dataloader = None
+        self.connect("fit", self._evaluation)
 
     @property
     def strategy(self) -> Any:
@@ -237,6 +247,13 @@ class DataConnector:
         return self.train_dataloader
 
     def _rebuild(self, loader: Any, shuffle: bool | None, pad: bool) -> Any:
+        if self.overfit and isinstance(getattr(loader, "sampler", None), RandomSampler):
+            rank_zero_warn("overfit_batches turns the shuffling of a dataloader off: it reads the same batches, in "
+                           "order, every epoch (as Lightning does).")
+            if not self.use_distributed_sampler:  # in order, unsharded
+                return rebuild_loader(loader, False, self.seed, 0, 1, pad=pad)
+        if self.overfit:
+            shuffle = False
         if not self.use_distributed_sampler:
             return loader
         return rebuild_loader(loader, shuffle, self.seed, self.strategy.dp_rank, self.strategy.dp_size, pad=pad)

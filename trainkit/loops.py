@@ -1,4 +1,4 @@
-"""The training loop (epochs of micro-batches grouped into optimizer steps) and the evaluation loop.
+"""The training loop: epochs of micro-batches grouped into optimizer steps (the evaluation loop: ``evaluation.py``).
 
 Loops get what they use when they are built: the loop settings, the strategy, the optimizer step
 (``step.py``: accumulation, normalisation, loss scaling, clipping), the hook dispatch, the logged
@@ -11,23 +11,26 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
 
+from trainkit.callbacks.timer import Timer
 from trainkit.data import DataConnector, ResumableSampler, num_batches
 from trainkit.dispatch import HookDispatch
-from trainkit.errors import ConfigurationError, MissingStep
+from trainkit.errors import ConfigurationError
 from trainkit.module import TrainModule
 from trainkit.results import Results
 from trainkit.seed import set_rng_state
 from trainkit.step import OptimizerStep
+from trainkit.utils import takes_batch_idx
 from trainkit_strategies import RunsSchedule, Strategy, capability
 from trainkit_strategies.liveness import activity
+
+if TYPE_CHECKING:
+    from trainkit.evaluation import EvalLoop
 
 Emit = Callable[[dict[str, float]], None]  # metrics to every logger, at the current global step
 STEPS_CAP = "TRAINKIT_MAX_STEPS"
@@ -59,6 +62,10 @@ class LoopConfig:
     num_sanity_val_steps: int = 2
     log_every_n_steps: int = 50
     seed: int = 0
+    min_epochs: int | None = None
+    min_steps: int | None = None
+    reload_dataloaders_every_n_epochs: int = 0
+    inference_mode: bool = True
 
 
 def check_val_schedule(val_check_interval: int | float | None, check_val_every_n_epoch: int | None) -> None:
@@ -87,6 +94,8 @@ class Progress:
         total_batches: batches consumed by completed optimizer steps, all epochs.
         val_marker: validations done on the current interval count (see ``FitLoop._val_schedule``).
         should_stop: a callback asked training to stop (``trainer.should_stop``); not saved.
+        stop_reason: why the last fit stopped ("max_steps", "max_epochs", "max_time", "should_stop" or
+            "TRAINKIT_MAX_STEPS"); saved, for the checkpoint written as it ends, and never restored.
     """
 
     epoch: int = 0
@@ -96,6 +105,7 @@ class Progress:
     total_batches: int = 0
     val_marker: int = 0
     should_stop: bool = False
+    stop_reason: str | None = None
 
     def state_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k != "should_stop"}
@@ -140,122 +150,23 @@ def _exhaust(batches: Iterator[Any]) -> None:
     next(batches, None)
 
 
-class EvalLoop:
-    """Validation, test and prediction: no gradients, module in eval mode, per-epoch aggregates."""
-
-    def __init__(self, config: LoopConfig, strategy: Strategy, hooks: HookDispatch, results: Results,
-                 data: DataConnector, emit: Emit) -> None:
-        self.config, self.strategy, self.hooks, self.results, self.data, self.emit = (
-            config, strategy, hooks, results, data, emit)
-        self.sanity_checking = False  # True while the sanity validation before training runs
-        self._schedule = capability(strategy, RunsSchedule)
-        self._evaluate = self._step if self._schedule is None else self._scheduled
-
-    def _batches(self, loaders: Sequence[DataLoader], limit: int | float | None, phase: str
-                 ) -> Iterator[tuple[int, int, Any]]:
-        moves = self.data.moves_batches
-        cap = steps_cap()
-        for dl_idx, loader in enumerate(loaders):
-            n = num_batches(loader, limit) if cap is None else min(num_batches(loader, limit), cap)
-            activity.enter(phase)
-            for batch_idx, batch in enumerate(_iterate(loader, 0, self.config.seed, 0)):
-                if batch_idx >= n:
-                    break
-                yield dl_idx, batch_idx, self.data.to_device(batch) if moves else batch
-                activity.enter(phase)
-
-    def run(self, module: nn.Module, fn: str, loaders: Sequence[DataLoader], limit: int | float | None,
-            sanity: bool = False) -> dict[str, float]:
-        """Evaluate ``module`` for ``fn`` ("validate" or "test") over ``loaders``; returns the epoch metrics."""
-        prefix = "validation" if fn == "validate" else "test"
-        step = "validation_step" if fn == "validate" else "test_step"
-        if self._schedule is None and getattr(type(module), step) is getattr(TrainModule, step):
-            raise MissingStep(f"Trainer.{fn} runs {type(module).__name__}.{step}(batch, batch_idx), which it does not "
-                              f"define: add one (log what it measures with self.log), as Lightning requires.")
-        self.strategy.settle()  # evaluate the parameters of every step taken
-        outside, label = activity.now, f"{type(module).__name__}.{step}"  # the phase to return to, and this loop's
-        was_training = module.training
-        module.eval()
-        results = self.results
-        results.loop = fn
-        results.reset(fn)
-        self.sanity_checking = sanity
-        if not sanity:
-            self.hooks(f"on_{prefix}_start")
-            self.hooks(f"on_{prefix}_epoch_start")
-        batch_end = self.hooks.fns(f"on_{prefix}_batch_end") if not sanity else []
-        multi = len(loaders) > 1
-        with torch.no_grad(), self.strategy.forward_context():
-            for dl_idx, batch_idx, batch in self._batches(loaders, limit, f"the {prefix} dataloader"):
-                activity.enter(label)
-                batch = self.strategy.local_batch(batch)  # under context parallelism: this rank's tokens
-                results.batch = batch
-                out = self._evaluate(module, fn, batch, batch_idx, dl_idx if multi else None)
-                for hook in batch_end:
-                    hook(out, batch, batch_idx)
-        if not sanity:
-            self.hooks(f"on_{prefix}_epoch_end")
-        metrics = results.epoch_metrics()
-        if sanity:
-            results.reset(fn)
-        else:
-            self.emit(metrics)
-            self.hooks(f"on_{prefix}_end")
-        self.sanity_checking = False
-        if was_training:
-            module.train()
-        activity.now = outside
-        return metrics
-
-    @staticmethod
-    def _step(module: nn.Module, fn: str, batch: Any, batch_idx: int, dl_idx: int | None) -> Any:
-        step = module.validation_step if fn == "validate" else module.test_step
-        return step(batch, batch_idx) if dl_idx is None else step(batch, batch_idx, dataloader_idx=dl_idx)
-
-    def _scheduled(self, module: nn.Module, fn: str, batch: Any, batch_idx: int, dl_idx: int | None) -> Any:
-        """A schedule-running strategy evaluates the batch itself: metrics identical on its ranks, logged by all."""
-        assert self._schedule is not None
-        metrics = self._schedule.eval_schedule(module, batch, batch_idx, fn)
-        for name, value in (metrics or {}).items():
-            self.results.log(name, value, prog_bar=True, on_step=False, on_epoch=True, sync_dist=True)
-        return metrics
-
-    def predict(self, module: nn.Module, loaders: Sequence[DataLoader], limit: int | float | None) -> list[Any]:
-        if type(module).predict_step is TrainModule.predict_step and type(module).forward is nn.Module.forward:
-            raise MissingStep(f"Trainer.predict runs {type(module).__name__}.predict_step(batch, batch_idx), which "
-                              "it does not define, nor forward() that the default one calls: add either.")
-        if self._schedule is not None:
-            raise ValueError(f"predict is not supported under strategy {self.strategy.name!r}; load the "
-                             "checkpoint with strategy 'single' or 'ddp' to predict.")
-        module.eval()
-        self.results.loop = "predict"
-        self.hooks("on_predict_start")
-        self.hooks("on_predict_epoch_start")
-        outputs = []
-        batch_end = self.hooks.fns("on_predict_batch_end")
-        label = f"{type(module).__name__}.predict_step"
-        with torch.no_grad(), self.strategy.forward_context():
-            for _, batch_idx, batch in self._batches(loaders, limit, "the predict dataloader"):
-                activity.enter(label)
-                out = module.predict_step(self.strategy.local_batch(batch), batch_idx)
-                for hook in batch_end:
-                    hook(out, batch, batch_idx)
-                outputs.append(out)
-        self.hooks("on_predict_epoch_end")
-        self.hooks("on_predict_end")
-        activity.now = None
-        return outputs
-
-
 class FitLoop:
     """Epochs of micro-batches grouped into optimizer steps, with validation on its schedule."""
 
     def __init__(self, config: LoopConfig, progress: Progress, module: nn.Module, strategy: Strategy,
                  step: OptimizerStep, hooks: HookDispatch, results: Results, data: DataConnector,
-                 evaluation: EvalLoop, emit: Emit, boundary: Callable[[], None] = lambda: None) -> None:
+                 evaluation: EvalLoop, emit: Emit, boundary: Callable[[bool], bool] = lambda time_up: time_up,
+                 timer: Timer | None = None) -> None:
         self.config, self.progress, self.module, self.strategy, self.step = config, progress, module, strategy, step
         self.hooks, self.results, self.data, self.evaluation, self.emit = hooks, results, data, evaluation, emit
-        self.boundary = boundary  # after each optimizer step and its batch-end hooks, on every rank
+        # after each optimizer step and its batch-end hooks, on every rank: given whether this rank's time is up,
+        # says whether the ranks agree it is (``Saving.at_boundary``)
+        self.boundary = boundary
+        self.timer = timer  # max_time's clock (a ``Timer`` callback), or None
+        self._time_up = False  # the ranks agreed the timer ran out: should_stop was set for it
+        self._told_min = False  # said once that a stop waits for min_epochs / min_steps
+        self._loaded_epoch = -1  # the epoch whose start the training loader was last built for
+        step.with_batch_idx = takes_batch_idx(module.training_step)
         self.pending_rng: dict | None = None  # a resumed run's random state, applied when its epoch starts
         self.validates = bool(data.val_dataloaders) and has_validation(module, strategy)
         self.stop_at: int | None = None  # the global step TRAINKIT_MAX_STEPS stops this fit at (see steps_cap)
@@ -280,9 +191,32 @@ class FitLoop:
     @property
     def done(self) -> bool:
         p, c = self.progress, self.config
-        return p.should_stop or (0 <= c.max_steps <= p.global_step) or (
+        return (p.should_stop and self._may_stop()) or (0 <= c.max_steps <= p.global_step) or (
             c.max_epochs is not None and p.epoch >= c.max_epochs) or (
             self.stop_at is not None and p.global_step >= self.stop_at)
+
+    def _may_stop(self) -> bool:
+        """``should_stop`` counts once ``min_epochs`` epochs are complete and ``min_steps`` steps taken (Lightning's
+        ``_can_stop_early``); until then training goes on, and says so once."""
+        p, c = self.progress, self.config
+        if (c.min_epochs is None or p.epoch + p.epoch_done >= c.min_epochs) and (
+                c.min_steps is None or p.global_step >= c.min_steps):
+            return True
+        if not self._told_min and self.strategy.is_global_zero:
+            print(f"Training was asked to stop at step {p.global_step} (epoch {p.epoch}), before min_epochs="
+                  f"{c.min_epochs} / min_steps={c.min_steps}: it goes on until both are reached.", flush=True)
+        self._told_min = True
+        return False
+
+    def _stop_reason(self) -> str:
+        p, c = self.progress, self.config
+        if self.stop_at is not None and p.global_step >= self.stop_at:
+            return STEPS_CAP
+        if 0 <= c.max_steps <= p.global_step:
+            return "max_steps"
+        if c.max_epochs is not None and p.epoch >= c.max_epochs:
+            return "max_epochs"
+        return "max_time" if self._time_up else "should_stop"
 
     def run(self) -> None:
         cap = steps_cap()
@@ -291,8 +225,14 @@ class FitLoop:
             if self.strategy.is_global_zero:
                 print(f"{STEPS_CAP}={cap}: this fit stops after {cap} step(s), at step {self.stop_at}, and each "
                       "evaluation reads at most that many batches.", flush=True)
-        self.step.guard.last_step = self.progress.global_step
-        activity.step = self.progress.global_step  # a resumed fit's
+        p = self.progress
+        self.step.guard.last_step = p.global_step
+        activity.step = p.global_step  # a resumed fit's
+        p.stop_reason, self._time_up, self._loaded_epoch = None, False, p.epoch  # loaders built as this fit started
+        if self.config.reload_dataloaders_every_n_epochs and (p.epoch or p.batch_idx):
+            self._reload()  # resumed: the loaders of the epoch it resumes in, built with that current_epoch
+        if self.timer is not None and self.timer.spent:  # resumed with its time spent: no step
+            self._time_up = p.should_stop = True
         self._check_data()
         self.hooks("on_fit_start")
         sanity = self.config.num_sanity_val_steps
@@ -301,11 +241,18 @@ class FitLoop:
         self.hooks("on_train_start")
         while not self.done:
             self.run_epoch()
+        p.stop_reason = self._stop_reason()  # in the checkpoint on_train_end writes
         self.strategy.settle()
         self.step.guard.agree()  # a run that went non-finite ends with the error, before the last checkpoint
         self.hooks("on_train_end")
         self.hooks("on_fit_end")
         activity.now = None
+
+    def _reload(self) -> None:
+        """``reload_dataloaders_every_n_epochs``: the loaders built again from the module or DataModule."""
+        self.data.reload()
+        self._loaded_epoch = self.progress.epoch
+        self.validates = bool(self.data.val_dataloaders) and has_validation(self.module, self.strategy)
 
     def _check_data(self) -> None:
         """No training batches on any rank is a configuration error, on every rank alike and before anything runs
@@ -333,11 +280,14 @@ class FitLoop:
             "every rank's own loader must yield batches.")
 
     def _validate(self, limit: int | float | None, sanity: bool = False) -> None:
-        self.evaluation.run(self.module, "validate", self.data.val_dataloaders, limit, sanity=sanity)
+        self.evaluation.run(self.module, "validate", self.data.val_dataloaders, limit, sanity=sanity, fitting=True)
         self.results.loop = "train"
 
     def run_epoch(self) -> None:
         p, c, step, module = self.progress, self.config, self.step, self.module
+        every = c.reload_dataloaders_every_n_epochs
+        if every and p.epoch % every == 0 and p.epoch != self._loaded_epoch and p.batch_idx == 0:
+            self._reload()  # at epochs N, 2N, ...: the same ones whether or not the run was resumed
         loader = self.data.train_dataloader
         assert loader is not None
         limit = num_batches(loader, c.limit_train_batches)
@@ -402,7 +352,10 @@ class FitLoop:
     def _step_ended(self) -> None:
         self.hooks("on_train_step_end", self.step.timing)
         activity.enter("the step's end (checkpoint commit, preemption check)")
-        self.boundary()
+        timer = self.timer
+        if self.boundary(timer is not None and timer.time_up) and not self._time_up and timer is not None:
+            self._time_up = self.progress.should_stop = True  # every rank at this boundary
+            timer.announce()
         self.results.boundary += 1  # what is logged from now on belongs to the next step
 
     def _metrics(self) -> dict[str, float]:

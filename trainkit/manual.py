@@ -210,6 +210,7 @@ class ManualStep:
                     self._hooks.append(param.register_post_accumulate_grad_hook(
                         lambda _, i=index: self._pending.add(i)))
         self._toggled: dict[nn.Parameter, bool] = {}
+        self.with_batch_idx = True  # training_step takes batch_idx (the fit loop asks once: ``takes_batch_idx``)
 
     # -- the loop's side -----------------------------------------------------------------------------
     def micro_step(self, module: nn.Module, batch: Any, batch_idx: int, boundary: bool) -> Any:
@@ -217,7 +218,7 @@ class ManualStep:
         self._taken, self._optimizer_s = 0, 0.0
         batch = self.strategy.local_batch(batch)
         with self.strategy.forward_context():
-            outputs = module.training_step(batch, batch_idx)
+            outputs = module.training_step(batch, batch_idx) if self.with_batch_idx else module.training_step(batch)
         self.window = 1 if self._pending else 0
         elapsed = time.perf_counter() - start
         self.timing = StepTiming(elapsed - self._optimizer_s, self._optimizer_s)

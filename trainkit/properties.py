@@ -14,7 +14,8 @@ from trainkit.loggers import Logger
 
 if TYPE_CHECKING:
     from trainkit.callbacks.base import Callback
-    from trainkit.loops import EvalLoop, FitLoop, Progress
+    from trainkit.evaluation import EvalLoop
+    from trainkit.loops import FitLoop, Progress
     from trainkit.optim import OptimizerConfig, SchedulerConfig
     from trainkit.results import Results
     from trainkit_strategies import DynamicLossScaler, Environment, Precision, Strategy

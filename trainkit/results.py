@@ -45,6 +45,7 @@ class _Entry:
     metric: Metric | None = None
     epoch_value: float | None = None
     stamp: int = -1  # ``Results.boundary`` when ``last`` was logged
+    fresh: bool = False  # ``last`` was logged since ``fresh_step_metrics`` last looked
     epoch_stamp: int = -1  # ... when ``epoch_value`` was computed
 
 
@@ -85,7 +86,7 @@ class Results:
                 prog_bar, logger, training if on_step is None else on_step,
                 (not training) if on_epoch is None else on_epoch, reduce_fx, sync_dist,
             )
-        entry.stamp = self.boundary
+        entry.stamp, entry.fresh = self.boundary, True
         if _is_metric(value):
             entry.metric = value
             entry.last = value._forward_cache
@@ -143,6 +144,22 @@ class Results:
         for name, e in self.entries.items():
             if e.on_step and e.last is not None and (e.logger or not logger_only):
                 out[f"{name}_step" if e.on_epoch else name] = self._float(e.last, e)
+        return out
+
+    def fresh_step_metrics(self) -> dict[str, float]:
+        """The per-step values logged since the last call, for the loggers (``<name>_step`` when also per-epoch): an
+        evaluation loop's per-batch curve. This rank's own values, over the context-parallel ranks of its samples
+        only: the data-parallel ranks may hold different numbers of evaluation batches (``EvalLoop``)."""
+        out = {}
+        for name, e in self.entries.items():
+            if not e.fresh:
+                continue
+            e.fresh = False
+            if e.on_step and e.logger and e.last is not None:
+                value = e.last
+                out[f"{name}_step" if e.on_epoch else name] = float(
+                    self._over_tokens(value.float(), e.last_weight, e.reduce_fx)) if isinstance(value, Tensor) \
+                    else float(value)
         return out
 
     def epoch_metrics(self) -> dict[str, float]:

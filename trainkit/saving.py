@@ -70,14 +70,16 @@ class Saving:
             on_commit(path)
         return path
 
-    def at_boundary(self, strategy: Strategy, step: int, save_now: Callable[[], Path]) -> None:
+    def at_boundary(self, strategy: Strategy, step: int, save_now: Callable[[], Path], time_up: bool = False) -> bool:
         """After every optimizer step, on every rank: commit a durable asynchronous checkpoint; stop every rank
-        together when one saw a non-finite step; on preemption, ``save_now`` and stop."""
+        together when one saw a non-finite step; on preemption, ``save_now`` and stop. Returns whether the ranks
+        agree that training time is up (``time_up``: this rank's is), the same on every rank."""
         assert self.guard is not None
-        preempt, written, nonfinite = self.signals.poll(self.saver, self.guard.found is not None)
+        preempt, written, nonfinite, late = self.signals.poll(self.saver, self.guard.found is not None, time_up)
         if written:
             self.saver.commit(strategy)
         if nonfinite:
             self.guard.agree()  # raises on every rank
         if preempt:
             raise Preempted(step, save_now())
+        return late

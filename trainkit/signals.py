@@ -6,8 +6,9 @@ by every rank at a step boundary and an exit with ``PREEMPTED_EXIT_CODE`` (75, `
 again); running the same command again with ``ckpt_path="last"`` continues exactly.
 
 A signal reaches one rank, but the decision must be the same on all of them, so at every boundary the ranks
-all-reduce three flags on a control-plane group (``Comm.control``): "a signal arrived here", "my file of the
-pending asynchronous checkpoint is durable" and "I saw a non-finite loss" (``finite.py``). The reduce is
+all-reduce four flags on a control-plane group (``Comm.control``): "a signal arrived here", "my file of the
+pending asynchronous checkpoint is durable", "I saw a non-finite loss" (``finite.py``) and "my training time is up"
+(``max_time``, the ``Timer`` callback). The reduce is
 asynchronous: it is posted at one boundary and read at the next, so it costs no waiting, and the agreed
 decision comes one step after the flag was raised (at once on a single process).
 
@@ -66,7 +67,7 @@ class StepSignals:
         self.signal_name = ""
         self._previous: dict[int, Any] = {}
         self._handle: Handle | None = None
-        self._flags = torch.zeros(3, dtype=torch.int32, device="cpu")
+        self._flags = torch.zeros(4, dtype=torch.int32, device="cpu")
         self._serial = 0  # the asynchronous save the posted flags are about
         self._hint: Callable[[], str] = lambda: ""
         self._boundary = threading.Event()  # a step boundary came after the signal (or the run ended)
@@ -111,10 +112,12 @@ class StepSignals:
             self._handle.wait()
         self._handle = None
 
-    def poll(self, saver: AsyncSaver, nonfinite: bool = False) -> tuple[bool, bool, bool]:
+    def poll(self, saver: AsyncSaver, nonfinite: bool = False, time_up: bool = False
+             ) -> tuple[bool, bool, bool, bool]:
         """At a boundary (every rank): whether every rank should stop for preemption, whether every rank's file of
-        the pending asynchronous save is durable (the save can be committed), and whether a rank saw a non-finite
-        loss or gradient norm (``nonfinite`` here: every rank stops)."""
+        the pending asynchronous save is durable (the save can be committed), whether a rank saw a non-finite
+        loss or gradient norm (``nonfinite`` here: every rank stops), and whether a rank's training time is up
+        (``time_up`` here: every rank stops training after this step)."""
         now = time.monotonic()
         if self._last_poll is not None:
             self.longest_step_s = max(self.longest_step_s, now - self._last_poll)
@@ -122,16 +125,17 @@ class StepSignals:
         if self.requested:
             self._boundary.set()  # steps still come: the checkpoint is written at the agreed boundary
         if not self.control.active:
-            return self.requested, saver.written, nonfinite
-        preempt = written = found = False
+            return self.requested, saver.written, nonfinite, time_up
+        preempt = written = found = late = False
         if self._handle is not None:
             self._handle.wait()
             preempt = bool(self._flags[0] > 0)
             written = bool(self._flags[1] == self.control.world_size) and saver.pending \
                 and self._serial == saver.serial
             found = bool(self._flags[2] > 0)
-        self._flags = torch.tensor([int(self.requested), int(saver.written), int(nonfinite)], dtype=torch.int32,
-                                   device="cpu")
+            late = bool(self._flags[3] > 0)
+        self._flags = torch.tensor([int(self.requested), int(saver.written), int(nonfinite), int(time_up)],
+                                   dtype=torch.int32, device="cpu")
         self._serial = saver.serial
         self._handle = self.control.all_reduce(self._flags, async_op=True)
-        return preempt, written, found
+        return preempt, written, found, late

@@ -117,6 +117,7 @@ class OptimizerStep:
                                 and not hooks.fns("on_before_optimizer_step")) else None
         self._schedule = capability(strategy, RunsSchedule)  # a pipeline's: forward and backward of a whole batch
         self._forward_backward = self._training_step if self._schedule is None else self._scheduled
+        self.with_batch_idx = True  # training_step takes batch_idx (the fit loop asks once: ``takes_batch_idx``)
 
     # -- micro-batches -------------------------------------------------------------------------------
     def micro_step(self, module: nn.Module, batch: Any, batch_idx: int, boundary: bool) -> Any:
@@ -135,7 +136,7 @@ class OptimizerStep:
         strategy = self.strategy
         batch = strategy.local_batch(batch)  # under context parallelism: this rank's chunks of every sequence
         with strategy.forward_context(), collecting() as auxiliary:  # terms layers add (a MoE's balance loss)
-            outputs = module.training_step(batch, batch_idx)
+            outputs = module.training_step(batch, batch_idx) if self.with_batch_idx else module.training_step(batch)
         loss, n = unpack_output(outputs)
         if loss is None:
             if strategy.world_size > 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -12,22 +13,20 @@ from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
 from torch import nn
 from torch.utils.data import DataLoader
 
-from trainkit import launcher, resume, rundir, transforms
-from trainkit.activation import resolve_mode
+from trainkit import arguments, launcher, resume, rundir, transforms
 from trainkit.auto import choose_strategy
 from trainkit.callbacks.base import Callback
-from trainkit.callbacks.checkpointing import ModelCheckpoint
-from trainkit.callbacks.profiler import SimpleProfiler, make_profiler
+from trainkit.callbacks.profiler import SimpleProfiler
 from trainkit.callbacks.progress import ProgressBar
-from trainkit.callbacks.telemetry import Telemetry
-from trainkit.callbacks.throughput import ThroughputMonitor
+from trainkit.callbacks.timer import Timer
 from trainkit.data import DataConnector, DataModule
 from trainkit.dispatch import HookDispatch
 from trainkit.estimate import parse_bytes
+from trainkit.evaluation import EvalLoop
 from trainkit.failures import leave_the_ranks
-from trainkit.loggers import Logger, resolve_loggers
+from trainkit.loggers import Logger
 from trainkit.loggers.base import finalize_all
-from trainkit.loops import EvalLoop, FitLoop, LoopConfig, Progress, check_val_schedule, loss_logger
+from trainkit.loops import FitLoop, LoopConfig, Progress, loss_logger
 from trainkit.manual import ManualStep, check_manual, owners_by_name, strategy_optimizer
 from trainkit.module import TrainModule
 from trainkit.optim import OptimizerConfig, parse_optimizers
@@ -46,17 +45,26 @@ class Trainer(TrainerProperties):
     """Runs a TrainModule.
 
     Args:
-        accelerator: "cpu", "cuda" or "auto".
+        accelerator: "cpu", "cuda", "gpu" (Lightning's name: CUDA, an error where there is none) or "auto".
         strategy: a registered name ("single", "ddp", "zero1", ...), a Strategy instance with its options, or
             "auto": single on one process; on several, the fastest of ddp, zero1, zero2, fsdp, zero_offload whose
             planned memory (``trainkit estimate``) fits ``device_memory``, chosen when fit starts.
-        devices: processes on this machine; above 1 trainkit launches them (or detects torchrun/SLURM).
+        devices: processes on this machine; above 1 trainkit launches them (or detects torchrun/SLURM). "auto" or -1:
+            every visible GPU under CUDA, 1 on the CPU (one device); GPU indices ``[0, ..., n-1]`` are ``n``.
         num_nodes: machines in the run (set by torchrun/SLURM).
         precision: "32", "bf16-mixed", "16-mixed" or "bf16-true".
         max_epochs: stop after this many epochs (default 1000 when max_steps is not set either).
+        min_epochs: train at least this many epochs: until then (and min_steps), ``should_stop`` (EarlyStopping's,
+            max_time's) waits.
+        min_steps: train at least this many optimizer steps: until then (and min_epochs), ``should_stop`` waits.
         max_steps: stop after this many optimizer steps (-1: no limit).
+        max_time: stop at the first optimizer-step boundary after this much training time ("DD:HH:MM:SS", a
+            timedelta or a dict such as ``{"hours": 1}``), every rank at the same step; the time spent survives a
+            resume (the ``Timer`` callback's state). Without max_epochs or max_steps it is the only limit.
         limit_train_batches, limit_val_batches, limit_test_batches, limit_predict_batches: an int
             (batches) or a float fraction of each epoch.
+        overfit_batches: train and validate on this many (int) or this fraction (float) of the training and of the
+            validation batches, the same ones, in order (shuffling off), every epoch; 0 turns it off.
         val_check_interval: validate every N training batches (int) or fraction of an epoch (float);
             None validates at the end of every ``check_val_every_n_epoch``-th epoch.
         check_val_every_n_epoch: validate only in every N-th epoch; None lets an int
@@ -76,6 +84,14 @@ class Trainer(TrainerProperties):
             none), after tensor parallelism and activation checkpointing and before the strategy's engine
             (``transforms.py``), so it composes with every strategy.
         deterministic: use deterministic algorithms only.
+        benchmark: set ``torch.backends.cudnn.benchmark``; None keeps torch's setting (False under deterministic).
+        inference_mode: ``validate``/``test``/``predict`` run under ``torch.inference_mode`` (False: ``torch.no_grad``,
+            as validation during fit always does, and every loop over gloo or a sharding strategy, as in Lightning).
+        sync_batchnorm: BatchNorm layers normalise over the global batch, as one process on it would: their statistics
+            are summed over the data-parallel ranks (``trainkit_strategies/data_parallel/sync_batchnorm.py``).
+        reload_dataloaders_every_n_epochs: build the training and validation loaders again from the module or
+            DataModule every N epochs (at epochs N, 2N, ...; a resumed fit builds them for the epoch it resumes in);
+            0: never.
         seed: seed python, numpy and torch at the start of each run (also the sampler seed).
         callbacks: extra callbacks.
         logger: True for TensorBoard under ``<default_root_dir>/runs``, False for none, or loggers.
@@ -110,15 +126,19 @@ class Trainer(TrainerProperties):
         *,
         accelerator: str = "auto",
         strategy: Strategy | str = "auto",
-        devices: int = 1,
+        devices: int | str | list[int] = 1,
         num_nodes: int = 1,
         precision: str = "32",
         max_epochs: int | None = None,
+        min_epochs: int | None = None,
         max_steps: int = -1,
+        min_steps: int | None = None,
+        max_time: str | timedelta | dict[str, int] | None = None,
         limit_train_batches: int | float | None = None,
         limit_val_batches: int | float | None = None,
         limit_test_batches: int | float | None = None,
         limit_predict_batches: int | float | None = None,
+        overfit_batches: int | float = 0.0,
         val_check_interval: int | float | None = None,
         check_val_every_n_epoch: int | None = 1,
         num_sanity_val_steps: int = 2,
@@ -132,6 +152,10 @@ class Trainer(TrainerProperties):
         activation_checkpointing_every: int = 1,
         compile: bool = False,
         deterministic: bool = False,
+        benchmark: bool | None = None,
+        inference_mode: bool = True,
+        sync_batchnorm: bool = False,
+        reload_dataloaders_every_n_epochs: int = 0,
         seed: int | None = None,
         callbacks: list[Callback] | None = None,
         logger: bool | Logger | list[Logger] = True,
@@ -149,31 +173,16 @@ class Trainer(TrainerProperties):
         on_nonfinite: Literal["stop", "skip"] = "stop",
         max_nonfinite_skips: int = 10,
     ) -> None:
-        if accumulate_grad_batches < 1:
-            raise ValueError(f"accumulate_grad_batches must be >= 1; got {accumulate_grad_batches}.")
-        if gradient_clip_algorithm not in ("norm", "value"):
-            raise ValueError(f"gradient_clip_algorithm must be 'norm' or 'value'; got {gradient_clip_algorithm!r}.")
-        if gradient_clip_val is not None and gradient_clip_val <= 0:
-            raise ValueError(f"gradient_clip_val must be positive; got {gradient_clip_val}.")
-        if log_every_n_steps < 1:
-            raise ValueError(f"log_every_n_steps must be >= 1; got {log_every_n_steps}.")
-        check_val_schedule(val_check_interval, check_val_every_n_epoch)  # before any rank starts
-        if devices < 1 or num_nodes < 1:
-            raise ValueError(f"devices and num_nodes must be >= 1; got devices={devices}, num_nodes={num_nodes}.")
-        if max_steps < -1 or (max_epochs is not None and max_epochs < 0):
-            raise ValueError(f"max_steps must be >= -1 and max_epochs >= 0; got {max_steps}, {max_epochs}.")
-        if float32_matmul_precision not in (None, "highest", "high", "medium"):
-            raise ValueError(f"float32_matmul_precision must be 'highest', 'high' or 'medium'; got "
-                             f"{float32_matmul_precision!r}.")
-        if float32_matmul_precision is not None:
-            torch.set_float32_matmul_precision(float32_matmul_precision)
+        arguments.check(locals())  # every argument, before any rank starts
+        arguments.set_backends(benchmark, deterministic, float32_matmul_precision)
+        accelerator = arguments.resolve_accelerator(accelerator)
+        devices = arguments.resolve_devices(devices, accelerator)
+        self.max_time = arguments.parse_max_time(max_time)
         self.precision = Precision.from_name(precision)
         self.device_memory = parse_bytes(device_memory) if device_memory is not None else None
         self._auto = False  # strategy="auto" on several ranks: the plan is chosen when fit starts
         self.default_root_dir = Path(default_root_dir)
         self.devices, self.num_nodes, self.accelerator, self.timeout_s = devices, num_nodes, accelerator, timeout_s
-        if peer_timeout_s < 0:
-            raise ValueError(f"peer_timeout_s must be >= 0 (0 turns the heartbeat off); got {peer_timeout_s}.")
         self.env = launcher.connect(accelerator, devices, num_nodes, timeout_s, peer_timeout_s)
         self.strategy = self._resolve_strategy(strategy)
         if self.precision.name == "32" and tensor_cores_idle(self.strategy.device):
@@ -189,9 +198,13 @@ class Trainer(TrainerProperties):
             limit_train_batches = limit_val_batches = limit_test_batches = limit_predict_batches = n
             max_steps, max_epochs, num_sanity_val_steps, val_check_interval = n, 1, 0, None
             logger, enable_checkpointing = False, False
-        if max_epochs is None and max_steps == -1:
+        if overfit_batches:  # Lightning's: that much of the training and validation data, in order, every epoch
+            limit_train_batches = limit_val_batches = overfit_batches
+        if max_epochs is None and max_steps == -1 and self.max_time is None:
             max_epochs = 1000
-        self.max_epochs, self.max_steps = max_epochs, max_steps
+        self.max_epochs, self.max_steps, self.min_epochs, self.min_steps = max_epochs, max_steps, min_epochs, min_steps
+        self.overfit_batches, self.inference_mode, self.sync_batchnorm = overfit_batches, inference_mode, sync_batchnorm
+        self.reload_dataloaders_every_n_epochs = reload_dataloaders_every_n_epochs
         self.limit_train_batches, self.limit_val_batches = limit_train_batches, limit_val_batches
         self.limit_test_batches, self.limit_predict_batches = limit_test_batches, limit_predict_batches
         self.val_check_interval, self.check_val_every_n_epoch = val_check_interval, check_val_every_n_epoch
@@ -199,35 +212,15 @@ class Trainer(TrainerProperties):
         self.accumulate_grad_batches = accumulate_grad_batches
         self.gradient_clip_val, self.gradient_clip_algorithm = gradient_clip_val, gradient_clip_algorithm
         self.activation_checkpointing = activation_checkpointing
-        self.activation_checkpointing_every = activation_checkpointing_every
-        if activation_checkpointing is not None:
-            resolve_mode(activation_checkpointing)  # an unknown mode fails here, before any process starts
-        if not isinstance(activation_checkpointing_every, int) or activation_checkpointing_every < 1:
-            raise ValueError(f"activation_checkpointing_every={activation_checkpointing_every!r} must be a positive "
-                             "integer (1: every selected module).")
-        if not isinstance(compile, bool):
-            raise TypeError(f"compile must be True or False; got {compile!r}.")
-        self.compile = compile
+        self.activation_checkpointing_every, self.compile = activation_checkpointing_every, compile
         self.enable_model_summary = enable_model_summary and not self.fast_dev_run
         self.use_distributed_sampler = use_distributed_sampler
         self.deterministic, self.seed = deterministic, seed
 
-        self.loggers: list[Logger] = resolve_loggers(logger, self.default_root_dir / "runs")
-        self.callbacks: list[Callback] = list(callbacks or [])
-        if enable_checkpointing and not any(isinstance(c, ModelCheckpoint) for c in self.callbacks):
-            self.callbacks.append(ModelCheckpoint())
-        if enable_progress_bar and not any(isinstance(c, ProgressBar) for c in self.callbacks):
-            self.callbacks.append(ProgressBar())
-        if enable_telemetry and self.loggers:
-            for kind in (Telemetry, ThroughputMonitor):
-                if not any(isinstance(c, kind) for c in self.callbacks):
-                    self.callbacks.append(kind())
-        self.profiler = make_profiler(profiler)
-        if self.profiler is not None:
-            self.callbacks.append(self.profiler)
-        keys = [c.state_key for c in self.callbacks]
-        if len(keys) != len(set(keys)):
-            raise ValueError(f"Callbacks need distinct state_key values to be checkpointed; got {keys}.")
+        self.loggers: list[Logger] = arguments.resolve_loggers(logger, self.default_root_dir)
+        self.callbacks, self.profiler = arguments.callbacks(callbacks, enable_checkpointing, enable_progress_bar,
+                                                            enable_telemetry and bool(self.loggers), profiler,
+                                                            self.max_time)
 
         self.module: TrainModule | None = None
         self.datamodule: DataModule | None = None
@@ -237,7 +230,8 @@ class Trainer(TrainerProperties):
         # both ask for the strategy when they use it: strategy="auto" decides it when fit starts
         self.results = Results(lambda t, op: self.strategy.reduce(t, op),  # what ``self.log`` records
                                lambda t, op: self.strategy.reduce_tokens(t, op))
-        self.data = DataConnector(lambda: self.strategy, self.precision, use_distributed_sampler, seed or 0)
+        self.data = DataConnector(lambda: self.strategy, self.precision, use_distributed_sampler, seed or 0,
+                                  overfit=bool(overfit_batches))
         self.fit_loop: FitLoop | None = None  # the loops of the current (or last) run
         self._hooks: HookDispatch | None = None  # the current run's
         self.evaluation: EvalLoop | None = None
@@ -267,7 +261,7 @@ class Trainer(TrainerProperties):
     def fit(
         self,
         module: TrainModule,
-        train_dataloaders: DataLoader | None = None,
+        train_dataloaders: DataLoader | DataModule | None = None,
         val_dataloaders: DataLoader | Sequence[DataLoader] | None = None,
         datamodule: DataModule | None = None,
         ckpt_path: str | Path | None = None,
@@ -276,21 +270,21 @@ class Trainer(TrainerProperties):
         self._run("fit", module, datamodule, ckpt_path, train=train_dataloaders, evaluation=val_dataloaders)
 
     def validate(
-        self, module: TrainModule, dataloaders: DataLoader | Sequence[DataLoader] | None = None,
+        self, module: TrainModule, dataloaders: DataLoader | Sequence[DataLoader] | DataModule | None = None,
         datamodule: DataModule | None = None, ckpt_path: str | Path | None = None, verbose: bool = True,
     ) -> list[dict[str, float]]:
         """Run the validation loop once; ``verbose`` prints the results on rank 0."""
         return self._run("validate", module, datamodule, ckpt_path, evaluation=dataloaders, verbose=verbose)
 
     def test(
-        self, module: TrainModule, dataloaders: DataLoader | Sequence[DataLoader] | None = None,
+        self, module: TrainModule, dataloaders: DataLoader | Sequence[DataLoader] | DataModule | None = None,
         datamodule: DataModule | None = None, ckpt_path: str | Path | None = None, verbose: bool = True,
     ) -> list[dict[str, float]]:
         """Run the test loop once; ``verbose`` prints the results on rank 0."""
         return self._run("test", module, datamodule, ckpt_path, evaluation=dataloaders, verbose=verbose)
 
     def predict(
-        self, module: TrainModule, dataloaders: DataLoader | Sequence[DataLoader] | None = None,
+        self, module: TrainModule, dataloaders: DataLoader | Sequence[DataLoader] | DataModule | None = None,
         datamodule: DataModule | None = None, ckpt_path: str | Path | None = None,
     ) -> list[Any]:
         return self._run("predict", module, datamodule, ckpt_path, evaluation=dataloaders)
@@ -307,8 +301,8 @@ class Trainer(TrainerProperties):
             self._states(), module, self.strategy, self.precision.name, lambda user: hooks("on_save_checkpoint", user)),
             dirpath, name, update_latest, async_save, on_commit)
 
-    def _at_boundary(self) -> None:
-        self.saving.at_boundary(self.strategy, self.global_step, self._save_preempted)
+    def _at_boundary(self, time_up: bool) -> bool:
+        return self.saving.at_boundary(self.strategy, self.global_step, self._save_preempted, time_up)
 
     def _save_preempted(self) -> Path:
         callback = self.checkpoint_callback
@@ -340,12 +334,14 @@ class Trainer(TrainerProperties):
     def _loop_config(self) -> LoopConfig:
         return LoopConfig(self.max_epochs, self.max_steps, self.limit_train_batches, self.limit_val_batches,
                           self.val_check_interval, self.check_val_every_n_epoch, self.num_sanity_val_steps,
-                          self.log_every_n_steps, self.seed or 0)
+                          self.log_every_n_steps, self.seed or 0, self.min_epochs, self.min_steps,
+                          self.reload_dataloaders_every_n_epochs, self.inference_mode)
 
     def _run(self, fn: str, module: TrainModule, datamodule: DataModule | None, ckpt_path: str | Path | None,
              train: Any = None, evaluation: Any = None, verbose: bool = False) -> Any:
         if not isinstance(module, TrainModule):
             raise TypeError(f"Trainer.{fn} needs a TrainModule; got {type(module).__name__}.")
+        train, evaluation, datamodule = arguments.split_datamodule(fn, train, evaluation, datamodule)
         self.state, self.module, self.datamodule = fn, module, datamodule
         self.should_stop = False
         module._trainer = self
@@ -361,7 +357,8 @@ class Trainer(TrainerProperties):
             self._setup(fn, module, hooks)
             self.data.connect(fn, evaluation)
             config = self._loop_config()
-            self.evaluation = EvalLoop(config, self.strategy, hooks, self.results, self.data, self._emit)
+            self.evaluation = EvalLoop(config, self.strategy, hooks, self.results, self.data, self._emit,
+                                       self.log_metrics)
             if fn == "fit":
                 guard = self.saving.begin_fit(self.strategy, self.log_every_n_steps, lambda: self.checkpoint_dir)
                 step = ManualStep(self.strategy, self.precision, hooks, self.optimizer_config, module, self._owners,
@@ -371,7 +368,8 @@ class Trainer(TrainerProperties):
                     self.optimizer_config, loss_logger(self.results), equal_batches=self.data.equal_batches,
                     guard=guard)
                 self.fit_loop = FitLoop(config, self.progress, module, self.strategy, step, hooks, self.results,
-                                        self.data, self.evaluation, self._emit, self._at_boundary)
+                                        self.data, self.evaluation, self._emit, self._at_boundary,
+                                        next((c for c in self.callbacks if isinstance(c, Timer)), None))
             path = self.resolve_ckpt_path(ckpt_path) if ckpt_path is not None else None
             if fn == "fit":
                 self._claims = rundir.claim(self.callbacks, path, self.strategy)
@@ -442,7 +440,7 @@ class Trainer(TrainerProperties):
             return
         if self.strategy.module is not module:
             transforms.build(module, self.strategy, self.activation_checkpointing, self.activation_checkpointing_every,
-                             self.compile)
+                             self.compile, self.sync_batchnorm)
         optimizer = None
         if fn == "fit":
             if self.enable_model_summary and self.is_global_zero:

@@ -3,7 +3,8 @@
 The order is torchtitan's ``parallelize_llama`` (and picotron's ``train.py``), top to bottom:
 
 1. ``configure_model`` builds the layers (on the meta device under a sharding strategy's ``init_context``);
-2. tensor parallelism (``Parallelizes``: the layers of the module's ``tensor_parallel_plan()`` cut to a rank's part);
+2. tensor parallelism (``Parallelizes``: the layers of the module's ``tensor_parallel_plan()`` cut to a rank's part),
+   then BatchNorm layers synchronised over the data-parallel ranks (``sync_batchnorm``);
 3. activation checkpointing (``activation.py``: the repeated blocks recompute in backward);
 4. compilation (``compile_blocks``: each repeated block compiled on its own, torchtitan's ``apply_compile``);
 5. the strategy's engine (``Strategy.setup``: a pipeline cuts its stages, ddp/ZeRO/FSDP register their hooks).
@@ -25,25 +26,29 @@ from torch import nn
 
 from trainkit.activation import apply_activation_checkpointing
 from trainkit_strategies import Parallelizes, ShardedInit, Strategy, capability
+from trainkit_strategies.data_parallel.sync_batchnorm import convert_sync_batchnorm
 from trainkit_strategies.sharding.units import repeated_layers
 from trainkit_strategies.tensor.regions import run_eagerly_under_compile
 
 
 def build(module: Any, strategy: Strategy, activation_checkpointing: Any = None, every: int = 1,
-          compile: bool = False) -> None:
+          compile: bool = False, sync_batchnorm: bool = False) -> None:
     """Steps 1-4 above on a TrainModule: its layers built, then transformed; ``strategy.setup`` is step 5."""
     sharded = capability(strategy, ShardedInit)
     with sharded.init_context() if sharded is not None else nullcontext():
         module.configure_model()
-    parallelize(module, strategy, activation_checkpointing, every, compile)
+    parallelize(module, strategy, activation_checkpointing, every, compile, sync_batchnorm)
 
 
 def parallelize(module: nn.Module, strategy: Strategy, activation_checkpointing: Any = None, every: int = 1,
-                compile: bool = False) -> None:
-    """Steps 2-4: tensor parallelism (where the strategy has an axis for it), activation checkpointing, compilation."""
+                compile: bool = False, sync_batchnorm: bool = False) -> None:
+    """Steps 2-4: tensor parallelism (where the strategy has an axis for it), BatchNorm synchronised over the
+    data-parallel ranks (``sync_batchnorm``), activation checkpointing, compilation."""
     parallelizes = capability(strategy, Parallelizes)
     if parallelizes is not None:
         parallelizes.parallelize(module)
+    if sync_batchnorm and strategy.data_comm().active:
+        convert_sync_batchnorm(module, strategy.data_comm())
     if activation_checkpointing:
         apply_activation_checkpointing(module, activation_checkpointing, every=every)
     if compile:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -74,3 +75,15 @@ def print_results(fn: str, metrics: dict[str, float], on_this_rank: bool = True)
     width = max(len(k) for k in metrics)
     lines = [f"{fn} results"] + [f"  {k:<{width}}  {v:.6g}" for k, v in sorted(metrics.items())]
     print("\n".join(lines))
+
+
+def takes_batch_idx(step: Callable[..., Any]) -> bool:
+    """Whether a bound ``*_step`` method takes ``batch_idx`` after the batch: Lightning passes it only then (a
+    parameter named so, a second positional one, or ``*args``). Asked once per run, never per batch."""
+    try:
+        params = list(inspect.signature(step).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: call it as Lightning documents the step
+        return True
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return (any(p.name == "batch_idx" for p in params) or len(positional) >= 2
+            or any(p.kind is p.VAR_POSITIONAL for p in params))

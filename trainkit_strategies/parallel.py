@@ -220,6 +220,9 @@ class ParallelStrategy(Wrapper, Parallelizes):
             options |= self.engine_options
         return get_strategy(name, **{k: v for k, v in options.items() if k in accepted})
 
+    def data_comm(self) -> Comm:
+        return self.dp_comm
+
     @property
     def dp_rank(self) -> int:
         """The rank's batch: the context- and tensor-parallel ranks of one data-parallel coordinate read the same."""

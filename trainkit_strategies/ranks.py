@@ -51,6 +51,11 @@ class Ranks:
         rank's when every rank's batches are as large."""
         return self.dp_size
 
+    def data_comm(self) -> Comm:
+        """The communicator over the ranks holding other samples than this one's (the data-parallel replicas, with
+        context parallelism's ranks of other tokens): what batch statistics are summed over (``sync_batchnorm``)."""
+        return self.comm
+
     def reduce(self, tensor: Tensor, op: str = "mean") -> Tensor:
         """Reduce across ranks into a new tensor: "mean", "sum", "max" or "min"."""
         if not self.comm.active:

@@ -6,6 +6,7 @@ from trainkit.callbacks.profiler import PyTorchProfiler, SimpleProfiler
 from trainkit.callbacks.progress import ProgressBar
 from trainkit.callbacks.telemetry import Telemetry
 from trainkit.callbacks.throughput import ThroughputMonitor
+from trainkit.callbacks.timer import Timer
 
 __all__ = [
     "Callback",
@@ -18,4 +19,5 @@ __all__ = [
     "SimpleProfiler",
     "Telemetry",
     "ThroughputMonitor",
+    "Timer",
 ]
