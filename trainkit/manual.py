@@ -232,7 +232,9 @@ class ManualStep:
     def step_scheduler(self, interval: str, count: int, metrics: Callable[[], dict[str, float]]) -> None:
         """Nothing: under manual optimization the user steps the schedulers (``self.lr_schedulers()``)."""
 
-    def close_hooks(self) -> None:
+    def release(self) -> None:
+        """The gradient hooks off the module's parameters (the fit is over) and any toggled flags restored."""
+        self.untoggle()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []

@@ -198,6 +198,9 @@ class OptimizerStep:
         self.window += 1
         return {"loss": loss, "num_items": items}
 
+    def release(self) -> None:
+        """Nothing to take off when the fit ends (``ManualStep`` hooks the parameters)."""
+
     # -- the boundary --------------------------------------------------------------------------------
     def step(self) -> bool | None:
         """Close the window: normalise, reduce, (unscale, check), clip, step, zero, advance a per-step LR

@@ -124,6 +124,7 @@ def test_gradients_released_by_another_step_are_never_silently_dropped(tmp_path)
     _trainer(tmp_path, max_epochs=1).fit(zeroed, DataLoader(gan_data(), batch_size=8))
     plain = torch.stack(train_plain(8, 8))  # toggling or zeroing first: the same numbers
     torch.testing.assert_close(torch.stack(zeroed.losses), plain, rtol=1e-6, atol=1e-6)
+    assert not any(p._post_accumulate_grad_hooks for p in zeroed.parameters())  # the fit took its hooks off
     with pytest.raises(ConfigurationError, match="another optimizer's step released"):
         _trainer(tmp_path / "kept", max_epochs=1).fit(Untoggled(zero_first=False),
                                                       DataLoader(gan_data(), batch_size=8))
