@@ -172,7 +172,8 @@ def main(args: Namespace) -> None:
 
     dm = SynthMNISTDataModule()
     trainer = Trainer(accelerator=args.accelerator, devices=args.devices, strategy=args.strategy,
-                      max_epochs=args.max_epochs, log_every_n_steps=args.log_every_n_steps)
+                      max_epochs=args.max_epochs, log_every_n_steps=args.log_every_n_steps,
+                      use_distributed_sampler=args.use_distributed_sampler == "true")
 
     trainer.fit(model, dm)
 
@@ -190,6 +191,8 @@ if __name__ == "__main__":
     parser.add_argument("--strategy", default="auto", help="how several devices share the work: ddp, say")
     parser.add_argument("--max_epochs", type=int, default=5, help="epochs to train")
     parser.add_argument("--log_every_n_steps", type=int, default=1, help="how often the losses are logged")
+    parser.add_argument("--use_distributed_sampler", choices=("true", "false"), default="true",
+                        help="false: every process reads all the data (a run on several is then one process's)")
     args = parser.parse_args()
 
     main(args)

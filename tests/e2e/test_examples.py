@@ -123,7 +123,7 @@ def test_examples_gpt_trains_on_a_text_file_sharded_and_samples(tmp_path):
 def test_lightning_autoencoder_fits_tests_and_predicts_from_its_best_checkpoint(tmp_path):
     """examples/lightning/autoencoder.py as Lightning's: its rank-zero callback reports every epoch, the test loss of
     the best checkpoint is logged per batch and per epoch, and the predictions come back from ``predict``."""
-    out = run(command("autoencoder", EXAMPLES / "autoencoder.py", 1, lightning=False), tmp_path)
+    out = run(command("autoencoder", EXAMPLES / "autoencoder.py", 1), tmp_path)
     assert "epoch 0: 3 validation images reconstructed" in out and "epoch 1: 3 validation" in out, out[-2000:]
     values = logged(tmp_path)
     assert len(values["train_loss"]) == 26 and len(values["val_loss_step"]) == 6 and len(values["test_loss_step"]) == 3
@@ -135,7 +135,7 @@ def test_lightning_autoencoder_fits_tests_and_predicts_from_its_best_checkpoint(
 def test_lightning_gan_steps_both_networks_and_logs_samples(tmp_path):
     """examples/lightning/gan.py: two optimizers under manual optimization log both losses at every batch, and the
     epoch-end hook draws on ``self.loggers`` for one image of samples an epoch."""
-    run(command("gan", EXAMPLES / "gan.py", 1, lightning=False), tmp_path)
+    run(command("gan", EXAMPLES / "gan.py", 1), tmp_path)
     values = logged(tmp_path)
     assert len(values["g_loss"]) == len(values["d_loss"]) == 16  # 2 epochs of 8 batches
     assert values["d_loss"][-1] < values["d_loss"][0]
@@ -149,7 +149,7 @@ def test_lightning_finetuning_learns_once_the_backbone_is_unfrozen(tmp_path):
     """examples/lightning/finetuning.py: frozen, the backbone's BatchNorm statistics are never gathered and the
     classifier guesses (validation accuracy 0.5, as under Lightning); unfrozen at epoch 2 and added to the optimizer
     as a parameter group, the network separates the classes within the epoch."""
-    run([*command("finetuning", EXAMPLES / "finetuning.py", 1, lightning=False), "--finetuning.milestones", "[2,4]",
+    run([*command("finetuning", EXAMPLES / "finetuning.py", 1), "--finetuning.milestones", "[2,4]",
          "--trainer.limit_train_batches", "48"], tmp_path)
     accuracy = logged(tmp_path)["val_acc"]
     assert len(accuracy) == 3 and accuracy[1] < 0.6 and accuracy[2] > 0.9, accuracy

@@ -3,10 +3,13 @@ transfer learning with a ``BaseFinetuning`` callback), kept in examples/lightnin
 the Lightning files only by docs/lightning.md's rename table, log what PyTorch Lightning logs for the same files.
 
 Each example runs as a script under trainkit and, renamed back, under pytorch-lightning (the optional reference of
-the ``test`` extra): one process on the CPU, then 2 processes under ddp, one thread each. In one process the logged
-values are bitwise Lightning's (the same operations in the same order); under ddp the gradients are averaged by
-different all-reduce implementations, so they agree within 1e-6. Where the autoencoder prints its predictions of the
-best checkpoint, it prints Lightning's.
+the ``test`` extra), on the CPU with one thread a process. In one process the values logged per step are bitwise
+Lightning's (the same operations in the same order), and the epoch means within 1e-6 (trainkit sums them in fp64,
+Lightning in fp32). Under trainkit's ddp at 2 processes, each reading all the data, the average of two equal
+gradients is exact and the run must log the same values. (Lightning's own DDP logs them too for the autoencoder and
+the fine-tuning; for the GAN it does not, as its DDP strategy seeds the global random state again after the model is
+built, so the generator's noise differs.) The autoencoder's printed predictions of its best checkpoint are
+Lightning's as printed.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import pytest
 import torch
 
 from .lightning_examples import (
+    AGGREGATES,
     EXAMPLES,
     NAMES,
     TAGS,
@@ -48,21 +52,36 @@ def test_the_rename_table_turns_each_lightning_file_into_the_example():
         assert to_trainkit(lightning) == example, name
 
 
+@pytest.fixture(scope="module")
+def lightning_run(tmp_path_factory):
+    """Each example's Lightning file run once in one process under PyTorch Lightning: (logged values, stdout)."""
+    done: dict[str, tuple[dict[str, list[float]], str]] = {}
+
+    def get(name: str) -> tuple[dict[str, list[float]], str]:
+        if name not in done:
+            root = tmp_path_factory.mktemp(f"{name}_lightning")
+            script = root / f"{name}.py"
+            script.write_text(to_lightning((EXAMPLES / f"{name}.py").read_text()))
+            out = run(command(name, script, 1), root / "run")
+            done[name] = (logged(root / "run"), out)
+        return done[name]
+
+    return get
+
+
 @pytest.mark.slow
 @needs_lightning
 @pytest.mark.parametrize("devices", [1, 2])
 @pytest.mark.parametrize("name", NAMES)
-def test_each_example_logs_what_pytorch_lightning_logs(name, devices, tmp_path):
-    original = tmp_path / f"{name}_lightning.py"
-    original.write_text(to_lightning((EXAMPLES / f"{name}.py").read_text()))
-    want_out = run(command(name, original, devices, lightning=True), tmp_path / "lightning")
-    got_out = run(command(name, EXAMPLES / f"{name}.py", devices, lightning=False), tmp_path / "trainkit")
-    want, got = logged(tmp_path / "lightning"), logged(tmp_path / "trainkit")
+def test_each_example_logs_what_pytorch_lightning_logs(name, devices, tmp_path, lightning_run):
+    want, want_out = lightning_run(name)
+    got_out = run(command(name, EXAMPLES / f"{name}.py", devices), tmp_path)
+    got = logged(tmp_path)
     for tag in TAGS[name]:
         assert want.get(tag), f"Lightning logged no {tag}: {sorted(want)}"
         assert tag in got, f"{tag} was not logged: {sorted(got)}"
-        tolerance = 0.0 if devices == 1 else 1e-6
+        tolerance = 1e-6 if tag in AGGREGATES else 0.0
         torch.testing.assert_close(torch.tensor(got[tag]), torch.tensor(want[tag]), rtol=0, atol=tolerance,
                                    msg=lambda m, t=tag: f"{name} at {devices} process(es), {t}: {m}")
-    if name == "autoencoder" and devices == 1:
+    if name == "autoencoder":
         assert printed_tensor(got_out) == printed_tensor(want_out)
