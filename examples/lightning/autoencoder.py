@@ -7,6 +7,8 @@ The images are 8 x 8 in place of MNIST's 28 x 28 and lie near a 3-dimensional fa
 bottleneck), so a few epochs of a small network reconstruct them well. As in Lightning's example the script fits,
 tests the best checkpoint and predicts with it; the callback reports how well validation images are reconstructed
 at the end of every epoch (Lightning's saves image grids with torchvision).
+
+Adapted from PyTorch Lightning's example (Copyright The Lightning AI team, Apache License 2.0).
 """
 
 import torch

@@ -13,6 +13,8 @@ In place of a pre-trained ResNet50 and the cats-and-dogs images: a ResNet-shaped
 four stages, pooling; 8 to 32 channels) and images whose class adds a faint pattern to noise. The data are read in
 order (not shuffled), so that every framework sees the same batches (docs/lightning.md says why), and the step
 logs ``train_loss`` beside Lightning's ``train_acc``, to compare runs by.
+
+Adapted from PyTorch Lightning's example (Copyright The Lightning AI team, Apache License 2.0).
 """
 
 import logging

@@ -8,6 +8,8 @@ The images are 1 x 8 x 8 in place of MNIST's 1 x 28 x 28 and the layers are a qu
 depth, the same BatchNorm and in-place LeakyReLU), so an epoch takes a moment on a CPU. At the end of every epoch
 the generator's samples go to each logger as one image strip (``generated_images``), as Lightning's example does
 with torchvision's grid.
+
+Adapted from PyTorch Lightning's example (Copyright The Lightning AI team, Apache License 2.0).
 """
 
 from argparse import ArgumentParser, Namespace
