@@ -11,7 +11,7 @@ import trainkit as tk
 from tests.helpers import Regression, loader, regression_data
 from trainkit import checkpoint as ckpt
 from trainkit.callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint, ThroughputMonitor
-from trainkit.loggers import CSVLogger
+from trainkit.loggers import CSVLogger, TensorBoardLogger
 
 
 class ScriptedValLoss(Regression):
@@ -69,6 +69,19 @@ def test_epoch_scheduler_state_in_epoch_end_checkpoints(tmp_path):
     _fit(tmp_path, EpochSched(), [], max_epochs=2)
     resumed = _fit(tmp_path, EpochSched(), [], max_epochs=3, ckpt_path="last")
     assert resumed.optimizer.param_groups[0]["lr"] == 0.1 * 0.5**3
+
+
+def test_tensorboard_logger_keeps_a_finished_runs_scalars_when_the_next_starts(tmp_path):
+    """fit then test in one process (Lightning's autoencoder example: fit, test, predict) write one event file each:
+    the second no longer reopens and empties the first, whose name held only the second of its start and the PID."""
+    from .lightning_examples import logged
+
+    logger = TensorBoardLogger(tmp_path)
+    logger.log_metrics({"train_loss": 0.5}, step=1)
+    logger.finalize("success")
+    logger.log_metrics({"test_loss": 0.25}, step=1)
+    logger.finalize("success")
+    assert logged(tmp_path) == {"train_loss": [0.5], "test_loss": [0.25]}
 
 
 def test_csv_logger_lr_monitor_and_throughput(tmp_path):

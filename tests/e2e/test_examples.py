@@ -1,4 +1,4 @@
-"""A user's own script: ``trainkit.cli.main(MyModule)``, and examples/gpt.py on a text file."""
+"""A user's own script: ``trainkit.cli.main(MyModule)``, examples/gpt.py on a text file, and examples/lightning/."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.data import DataLoader, TensorDataset
 
 import trainkit as tk
@@ -17,6 +18,7 @@ from trainkit.checkpoint import CheckpointReader, latest
 from trainkit.cli import main
 
 from .cli_runs import ROOT
+from .lightning_examples import EXAMPLES, command, logged, printed_tensor, run
 
 
 def _data() -> TensorDataset:
@@ -115,6 +117,42 @@ def test_examples_gpt_trains_on_a_text_file_sharded_and_samples(tmp_path):
                           "--prompt", "the ", "--length", "40"], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.startswith("the ") and len(out.stdout) >= 30
+
+
+@pytest.mark.slow
+def test_lightning_autoencoder_fits_tests_and_predicts_from_its_best_checkpoint(tmp_path):
+    """examples/lightning/autoencoder.py as Lightning's: its rank-zero callback reports every epoch, the test loss of
+    the best checkpoint is logged per batch and per epoch, and the predictions come back from ``predict``."""
+    out = run(command("autoencoder", EXAMPLES / "autoencoder.py", 1), tmp_path)
+    assert "epoch 0: 3 validation images reconstructed" in out and "epoch 1: 3 validation" in out, out[-2000:]
+    values = logged(tmp_path)
+    assert len(values["train_loss"]) == 26 and len(values["val_loss_step"]) == 6 and len(values["test_loss_step"]) == 3
+    assert values["test_loss_epoch"][-1] < values["train_loss"][0] / 4
+    assert printed_tensor(out).count("[") > 2
+
+
+@pytest.mark.slow
+def test_lightning_gan_steps_both_networks_and_logs_samples(tmp_path):
+    """examples/lightning/gan.py: two optimizers under manual optimization log both losses at every batch, and the
+    epoch-end hook draws on ``self.loggers`` for one image of samples an epoch."""
+    run(command("gan", EXAMPLES / "gan.py", 1), tmp_path)
+    values = logged(tmp_path)
+    assert len(values["g_loss"]) == len(values["d_loss"]) == 16  # 2 epochs of 8 batches
+    assert values["d_loss"][-1] < values["d_loss"][0]
+    events = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    assert [e.step for e in events.Images("generated_images")] == [0, 1]
+
+
+@pytest.mark.slow
+def test_lightning_finetuning_learns_once_the_backbone_is_unfrozen(tmp_path):
+    """examples/lightning/finetuning.py: frozen, the backbone's BatchNorm statistics are never gathered and the
+    classifier guesses (validation accuracy 0.5, as under Lightning); unfrozen at epoch 2 and added to the optimizer
+    as a parameter group, the network separates the classes within the epoch."""
+    run([*command("finetuning", EXAMPLES / "finetuning.py", 1), "--finetuning.milestones", "[2,4]",
+         "--trainer.limit_train_batches", "48"], tmp_path)
+    accuracy = logged(tmp_path)["val_acc"]
+    assert len(accuracy) == 3 and accuracy[1] < 0.6 and accuracy[2] > 0.9, accuracy
 
 
 USER_SCRIPT = '''

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import time
@@ -9,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from trainkit.loggers.base import Logger, flatten_params
+
+_FILES = itertools.count()  # a fit and a test in one process and one second write two files, not one twice
 
 
 class TensorBoardLogger(Logger):
@@ -43,7 +46,8 @@ class TensorBoardLogger(Logger):
             from tensorboard.summary.writer.record_writer import RecordWriter
 
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.trainkit"
+            stamp = f"{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILES)}"
+            name = f"events.out.tfevents.{stamp}.trainkit"
             self._file = open(self.log_dir / name, "wb")  # noqa: SIM115 (closed by finalize)
             self._records = RecordWriter(self._file)
             self._records.write(Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
