@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset, random_split
 
 from trainkit import DataModule, Trainer, TrainModule, callbacks
 from trainkit.cli import CLI
-from trainkit.utils import rank_zero_only
+from trainkit.utilities import rank_zero_only
 
 SIDE = 8
 

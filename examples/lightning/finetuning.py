@@ -30,7 +30,7 @@ from torchmetrics import Accuracy
 from trainkit import DataModule, TrainModule
 from trainkit.callbacks import BaseFinetuning
 from trainkit.cli import CLI
-from trainkit.utils import rank_zero_info
+from trainkit.utilities import rank_zero_info
 
 log = logging.getLogger(__name__)
 
