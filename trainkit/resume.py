@@ -15,7 +15,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from trainkit import checkpoint as ckpt
 from trainkit.rundir import newest
-from trainkit.utils import jsonable
+from trainkit.utils import jsonable, stored_as_repr
 from trainkit_strategies.state import StateMismatch
 
 if TYPE_CHECKING:
@@ -35,6 +35,7 @@ def checkpoint_meta(states: States, module: Any, strategy: Strategy, precision: 
         "strategy": strategy.name,
         "precision": precision,
         "hyperparameters": jsonable(dict(module.hparams)),
+        "hyperparameters_repr": sorted(k for k, v in module.hparams.items() if stored_as_repr(v)),
         "optimizer": {
             "class": type(strategy.optimizer).__name__ if strategy.optimizer else None,
             "param_groups": strategy.optimizer_groups(),
@@ -154,9 +155,14 @@ def resolve(checkpoint_dir: Path, ckpt_path: str | Path) -> Path | None:
         if found is None:
             rank_zero_warn(f"ckpt_path='last' but {checkpoint_dir} holds no checkpoint; starting fresh.")
         return found
-    path = Path(ckpt_path)
+    return checkpoint_in(Path(ckpt_path))
+
+
+def checkpoint_in(path: Path) -> Path | None:
+    """``path``, or, for a directory holding a ``latest`` pointer and no meta.json, the newest checkpoint among it and
+    the versions fresh runs wrote of it (``rundir.py``)."""
     if path.is_dir() and not (path / ckpt.META).exists() and (path / ckpt.LATEST).exists():
-        return newest(path)  # the newest run's, where fresh runs wrote versions of the directory (``rundir.py``)
+        return newest(path)
     return path
 
 
