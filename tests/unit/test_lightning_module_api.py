@@ -117,7 +117,7 @@ class Drawing(Regression):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         assert self.loggers[0] is self.logger
-        self.logger.experiment.add_histogram("first_weight", self.net[0].weight, self.global_step)
+        self.logger.experiment.add_histogram("inputs", batch[0], self.global_step)
         self.logger.experiment.add_image("picture", torch.full((3, 4, 4), 0.5), self.global_step)
         return super().training_step(batch, batch_idx)
 
@@ -128,7 +128,7 @@ def test_the_module_draws_through_self_logger_experiment_into_the_run_s_event_fi
     events = EventAccumulator(str(tmp_path / "runs" / "trainkit" / "version_0"), size_guidance={"histograms": 0,
                                                                                                  "images": 0})
     events.Reload()
-    assert [e.step for e in events.Histograms("first_weight")] == [0, 1, 2]
+    assert [e.step for e in events.Histograms("inputs")] == [0, 1, 2]
     assert [e.step for e in events.Images("picture")] == [0, 1, 2]
 
 
