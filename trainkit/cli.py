@@ -115,7 +115,8 @@ def _subcommand_parser(name: str, model_class: type[TrainModule] | None,
     else:
         parser.add_class_arguments(datamodule_class, "data")
     parser.add_argument("--ckpt_path", type=str | None, default=None,
-                        help='Checkpoint directory to resume from, or "last".')
+                        help='Checkpoint directory to resume from or load, "last" (the newest) or "best" (the best '
+                             "by a ModelCheckpoint's monitor).")
     return parser
 
 

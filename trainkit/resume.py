@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from trainkit import checkpoint as ckpt
+from trainkit.callbacks.checkpointing import ModelCheckpoint, best_checkpoint
 from trainkit.rundir import newest
 from trainkit.utils import jsonable, stored_as_repr
 from trainkit_strategies.state import StateMismatch
@@ -147,9 +148,12 @@ def module_configs(module: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def resolve(checkpoint_dir: Path, ckpt_path: str | Path) -> Path | None:
+def resolve(checkpoint_dir: Path, ckpt_path: str | Path, callback: ModelCheckpoint | None = None) -> Path | None:
     """The checkpoint ``ckpt_path`` names: "last" is the newest in ``checkpoint_dir`` (None, with a warning,
-    when there is none); a directory holding a ``latest`` pointer means the checkpoint it points at."""
+    when there is none); "best" the best ``callback`` ranked, or the one its record in the newest checkpoint names
+    (``best_checkpoint``); a directory holding a ``latest`` pointer means the checkpoint it points at."""
+    if str(ckpt_path) == "best":
+        return best_checkpoint(callback, checkpoint_dir)
     if str(ckpt_path) == "last":
         found = newest(checkpoint_dir)
         if found is None:

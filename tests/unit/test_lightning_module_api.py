@@ -1,6 +1,6 @@
-"""What a Lightning user reaches for on the module: ``load_from_checkpoint`` and the module-side loggers
-(``self.logger``, ``self.loggers``, ``logger.experiment``), on one process. Several ranks:
-tests/e2e/test_lightning_api.py."""
+"""What a Lightning user reaches for around a module: ``load_from_checkpoint``, the module-side loggers
+(``self.logger``, ``self.loggers``, ``logger.experiment``) and ``ckpt_path="best"``, on one process. Several ranks
+and the command line: tests/e2e/test_lightning_api.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from torch.utils.data import DataLoader
 
 import trainkit as tk
 from tests.helpers import Regression, loader, quiet_trainer, regression_data
+from trainkit.callbacks import ModelCheckpoint
 from trainkit.checkpoint import CheckpointError
+from trainkit.errors import ConfigurationError
 from trainkit.loggers import CSVLogger, TensorBoardLogger
 from trainkit.loggers.base import DummyExperiment
 
@@ -161,3 +163,63 @@ def test_on_other_ranks_experiment_is_a_dummy_that_accepts_every_call(tmp_path, 
         experiment.add_histogram("w", torch.zeros(3), 0)
         experiment[0].add_image("x", torch.zeros(3, 2, 2))
     assert not any(tmp_path.iterdir())  # nothing written on a rank other than 0
+
+
+class Scored(Regression):
+    """Validation logs a val_loss set by the epoch (best at epoch 1 of 3); each epoch's end keeps its weights."""
+
+    SCORES = (3.0, 1.0, 2.0)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.at_epoch: dict[int, dict[str, torch.Tensor]] = {}
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.SCORES[min(self.current_epoch, 2)])  # epoch 3 after fit
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+    def on_train_epoch_end(self) -> None:
+        self.at_epoch[self.current_epoch] = {k: v.detach().clone() for k, v in self.state_dict().items()}
+
+
+def _fit_scored(tmp_path: Any, monitor: str | None = "val_loss") -> tuple[Scored, tk.Trainer]:
+    module = Scored()
+    trainer = quiet_trainer(tmp_path, max_epochs=3, callbacks=[ModelCheckpoint(monitor=monitor)])
+    trainer.fit(module, loader(regression_data(16), 8), loader(regression_data(8), 8))
+    return module, trainer
+
+
+def test_ckpt_path_best_loads_the_best_checkpoint_by_the_monitor(tmp_path, capsys):
+    module, trainer = _fit_scored(tmp_path)
+    best = tmp_path / "checkpoints" / "epoch=1-step=4"
+    assert trainer.checkpoint_callback.best_model_path == best
+    for stage in (trainer.validate, trainer.test, trainer.predict):
+        stage(module, loader(regression_data(8), 8), ckpt_path="best")
+        assert f"Restored {best}." in capsys.readouterr().out
+        for name, want in module.at_epoch[1].items():
+            assert torch.equal(module.state_dict()[name], want), name
+    assert any(not torch.equal(module.at_epoch[2][k], v) for k, v in module.at_epoch[1].items())  # best is not last
+
+
+def test_ckpt_path_best_in_a_new_trainer_reads_the_best_from_the_run_s_newest_checkpoint(tmp_path, capsys):
+    _fit_scored(tmp_path)
+    fresh = quiet_trainer(tmp_path, enable_checkpointing=True)  # a default ModelCheckpoint, which has ranked nothing
+    fresh.validate(Scored(), loader(regression_data(8), 8), ckpt_path="best")
+    assert f"Restored {tmp_path / 'checkpoints' / 'epoch=1-step=4'}." in capsys.readouterr().out
+
+
+def test_ckpt_path_best_without_a_monitor_names_the_fix(tmp_path):
+    module, trainer = _fit_scored(tmp_path, monitor=None)
+    message = (r'ckpt_path="best" needs checkpoints ranked by a monitored metric, and .*checkpoints holds none written '
+               r'by a ModelCheckpoint with monitor= set\. Fit with one \(ModelCheckpoint\(monitor="val_loss"\); on the '
+               r"command line --trainer.callbacks\+=ModelCheckpoint --trainer.callbacks.monitor val_loss\), or pass "
+               r'ckpt_path="last" or a checkpoint directory\.')
+    with pytest.raises(ConfigurationError, match=message):
+        trainer.validate(module, loader(regression_data(8), 8), ckpt_path="best")
+    with pytest.raises(ConfigurationError, match=message):  # nothing fitted at all
+        quiet_trainer(tmp_path / "elsewhere").validate(module, loader(regression_data(8), 8), ckpt_path="best")

@@ -9,8 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
+from trainkit import checkpoint as ckpt
 from trainkit.callbacks.base import Callback
+from trainkit.errors import ConfigurationError
 from trainkit.finite import NonFiniteError
+from trainkit.rundir import newest
 from trainkit.signals import Preempted
 
 if TYPE_CHECKING:
@@ -19,12 +22,52 @@ if TYPE_CHECKING:
     from trainkit.trainer import Trainer
 
 
+def best_of(saved: list[dict[str, Any]], mode: str) -> dict[str, Any] | None:
+    """The entry of ``saved`` (``{"name", "step", "score"}`` each) with the best score by ``mode``; None if none has
+    one."""
+    scored = [s for s in saved if s["score"] is not None]
+    if not scored:
+        return None
+    return (min if mode == "min" else max)(scored, key=lambda s: s["score"])
+
+
+def best_checkpoint(callback: ModelCheckpoint | None, checkpoint_dir: Path) -> Path:
+    """What ``ckpt_path="best"`` names: the best checkpoint ``callback`` ranked in this process (Lightning's
+    ``best_model_path``) or, where it has ranked none (a new process: ``trainkit validate --ckpt_path best``), the
+    best that the newest checkpoint in ``checkpoint_dir`` (or its versions) records of the monitored
+    ``ModelCheckpoint`` that wrote it, beside it."""
+    if callback is not None and callback.best_model_path is not None:
+        return callback.best_model_path
+    found = newest(checkpoint_dir)
+    records = ckpt.read_meta(found).get("callbacks") or {} if found is not None else {}
+    monitored = [r for r in records.values() if isinstance(r, dict) and r.get("monitor") and "saved" in r]
+    wanted = callback.monitor if callback is not None else None
+    monitored.sort(key=lambda r: r["monitor"] != wanted)  # the Trainer's own ModelCheckpoint's record first
+    if not monitored:
+        raise ConfigurationError(
+            f'ckpt_path="best" needs checkpoints ranked by a monitored metric, and {checkpoint_dir} holds none written '
+            'by a ModelCheckpoint with monitor= set. Fit with one (ModelCheckpoint(monitor="val_loss"); on the command '
+            "line --trainer.callbacks+=ModelCheckpoint --trainer.callbacks.monitor val_loss), or pass "
+            'ckpt_path="last" or a checkpoint directory.')
+    assert found is not None
+    for record in monitored:
+        best = best_of(record["saved"], record.get("mode", "min"))
+        if best is not None:
+            return found.parent / best["name"]
+    names = " or ".join(sorted({repr(r["monitor"]) for r in monitored}))
+    raise ConfigurationError(f'ckpt_path="best": the ModelCheckpoint monitoring {names} ranked no checkpoint in '
+                             f"{found.parent}: the metric was never logged at a save. Log it where checkpoints are "
+                             'saved (in validation_step, say), or pass ckpt_path="last".')
+
+
 class ModelCheckpoint(Callback):
     """Save checkpoints periodically; keep the best ``save_top_k`` (by ``monitor``) or the newest.
 
     Args:
         dirpath: directory of checkpoints (default ``<default_root_dir>/checkpoints``). Its ``latest``
-            pointer always names the newest checkpoint; ``ckpt_path="last"`` resumes from it.
+            pointer always names the newest checkpoint; ``ckpt_path="last"`` resumes from it, ``ckpt_path="best"``
+            loads the best by ``monitor`` (``best_model_path``, or, in a later process, the newest checkpoint's record
+            of it).
         filename: name template; ``{epoch}``, ``{step}`` and logged metric names are filled in.
         monitor: metric to rank checkpoints by (None: rank by recency).
         mode: "min" or "max" for ``monitor``.
@@ -73,7 +116,8 @@ class ModelCheckpoint(Callback):
         return f"ModelCheckpoint[{self.monitor or 'recent'},{self.base_dirpath}]"
 
     def state_dict(self) -> dict[str, Any]:
-        return {"saved": self.saved, "last_step": self._last_step}
+        """What it keeps, and how it ranks them: what ``ckpt_path="best"`` reads in a later process."""
+        return {"saved": self.saved, "last_step": self._last_step, "monitor": self.monitor, "mode": self.mode}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.saved = list(state.get("saved", []))
@@ -81,10 +125,7 @@ class ModelCheckpoint(Callback):
 
     @property
     def best(self) -> dict[str, Any] | None:
-        scored = [s for s in self.saved if s["score"] is not None]
-        if not scored:
-            return None
-        return (min if self.mode == "min" else max)(scored, key=lambda s: s["score"])
+        return best_of(self.saved, self.mode)
 
     @property
     def best_model_path(self) -> Path | None:
