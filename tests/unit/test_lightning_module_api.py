@@ -223,3 +223,12 @@ def test_ckpt_path_best_without_a_monitor_names_the_fix(tmp_path):
         trainer.validate(module, loader(regression_data(8), 8), ckpt_path="best")
     with pytest.raises(ConfigurationError, match=message):  # nothing fitted at all
         quiet_trainer(tmp_path / "elsewhere").validate(module, loader(regression_data(8), 8), ckpt_path="best")
+
+
+def test_ckpt_path_best_when_the_monitored_metric_was_never_logged_names_it(tmp_path):
+    with pytest.warns(UserWarning, match="has not been logged yet"):
+        module, trainer = _fit_scored(tmp_path, monitor="val_acc")
+    with pytest.raises(ConfigurationError, match=r"ckpt_path=\"best\": the ModelCheckpoint monitoring 'val_acc' ranked "
+                                                 r"no checkpoint in .*checkpoints: the metric was never logged at a "
+                                                 r"save\. Log it where checkpoints are saved"):
+        trainer.validate(module, loader(regression_data(8), 8), ckpt_path="best")

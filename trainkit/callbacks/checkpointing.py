@@ -9,11 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
-from trainkit import checkpoint as ckpt
 from trainkit.callbacks.base import Callback
-from trainkit.errors import ConfigurationError
 from trainkit.finite import NonFiniteError
-from trainkit.rundir import newest
 from trainkit.signals import Preempted
 
 if TYPE_CHECKING:
@@ -29,35 +26,6 @@ def best_of(saved: list[dict[str, Any]], mode: str) -> dict[str, Any] | None:
     if not scored:
         return None
     return (min if mode == "min" else max)(scored, key=lambda s: s["score"])
-
-
-def best_checkpoint(callback: ModelCheckpoint | None, checkpoint_dir: Path) -> Path:
-    """What ``ckpt_path="best"`` names: the best checkpoint ``callback`` ranked in this process (Lightning's
-    ``best_model_path``) or, where it has ranked none (a new process: ``trainkit validate --ckpt_path best``), the
-    best that the newest checkpoint in ``checkpoint_dir`` (or its versions) records of the monitored
-    ``ModelCheckpoint`` that wrote it, beside it."""
-    if callback is not None and callback.best_model_path is not None:
-        return callback.best_model_path
-    found = newest(checkpoint_dir)
-    records = ckpt.read_meta(found).get("callbacks") or {} if found is not None else {}
-    monitored = [r for r in records.values() if isinstance(r, dict) and r.get("monitor") and "saved" in r]
-    wanted = callback.monitor if callback is not None else None
-    monitored.sort(key=lambda r: r["monitor"] != wanted)  # the Trainer's own ModelCheckpoint's record first
-    if not monitored:
-        raise ConfigurationError(
-            f'ckpt_path="best" needs checkpoints ranked by a monitored metric, and {checkpoint_dir} holds none written '
-            'by a ModelCheckpoint with monitor= set. Fit with one (ModelCheckpoint(monitor="val_loss"); on the command '
-            "line --trainer.callbacks+=ModelCheckpoint --trainer.callbacks.monitor val_loss), or pass "
-            'ckpt_path="last" or a checkpoint directory.')
-    assert found is not None
-    for record in monitored:
-        best = best_of(record["saved"], record.get("mode", "min"))
-        if best is not None:
-            return found.parent / best["name"]
-    names = " or ".join(sorted({repr(r["monitor"]) for r in monitored}))
-    raise ConfigurationError(f'ckpt_path="best": the ModelCheckpoint monitoring {names} ranked no checkpoint in '
-                             f"{found.parent}: the metric was never logged at a save. Log it where checkpoints are "
-                             'saved (in validation_step, say), or pass ckpt_path="last".')
 
 
 class ModelCheckpoint(Callback):
