@@ -6,17 +6,21 @@ writes the full configuration, so a run is reproducible from one file. With no `
 embedded demo (TinyGPT on a synthetic Markov corpus) runs. ``trainkit export CHECKPOINT OUT`` writes a
 checkpoint's model to safetensors. In your own script::
 
-    from trainkit.cli import main
-    main(MyModule)            # model fixed: its init arguments become --model.<arg>
+    from trainkit.cli import TrainkitCLI
+    TrainkitCLI(MyModule)     # model fixed: its init arguments become --model.<arg> (main(MyModule) does the same)
+
+``TrainkitCLI`` is Lightning's ``LightningCLI`` under trainkit's name: ``run=False``, ``trainer_defaults``,
+``add_arguments_to_parser`` (``parser.link_arguments``) and the ``before_<subcommand>`` hooks work as there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
@@ -24,6 +28,7 @@ import torch
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, lazy_instance
 
 from trainkit import arguments, launcher, resume
+from trainkit.callbacks.prediction_writer import PredictionWriter
 from trainkit.checkpoint import CheckpointError
 from trainkit.data import DataModule
 from trainkit.demo.gpt import DemoGPT
@@ -96,7 +101,21 @@ def _essential(message: str) -> str:
 
 def _subcommand_parser(name: str, model_class: type[TrainModule] | None,
                        datamodule_class: type[DataModule] | None) -> ArgumentParser:
-    parser = Parser(description=SUBCOMMANDS.get(name) or TOOLS[name], exit_on_error=True)
+    parser = _class_arguments(Parser(description=SUBCOMMANDS.get(name) or TOOLS[name], exit_on_error=True),
+                              model_class, datamodule_class)
+    parser.add_argument("--ckpt_path", type=str | None, default=None,
+                        help='Checkpoint directory to resume from or load, "last" (the newest) or "best" (the best '
+                             "by a ModelCheckpoint's monitor).")
+    if name == "predict":
+        parser.add_argument("--output", type=str | None, default=None,
+                            help="The safetensors file to write the predictions to, in the dataset's order (default: "
+                                 "<default_root_dir>/predictions.safetensors; docs/cli.md#predictions).")
+    return parser
+
+
+def _class_arguments(parser: ArgumentParser, model_class: type[TrainModule] | None,
+                     datamodule_class: type[DataModule] | None) -> ArgumentParser:
+    """``--config``, ``--trainer.*``, and the model and data (fixed classes, or class paths)."""
     parser.add_argument("-c", "--config", action=ActionConfigFile, help="YAML config file (see --print_config).")
     parser.add_class_arguments(Trainer, "trainer", fail_untyped=False, instantiate=False)
     for action in parser._actions:  # the names a user passes, not only the classes jsonargparse knows of
@@ -114,20 +133,22 @@ def _subcommand_parser(name: str, model_class: type[TrainModule] | None,
                                       help="DataModule class path (default: the model's own dataloaders).")
     else:
         parser.add_class_arguments(datamodule_class, "data")
-    parser.add_argument("--ckpt_path", type=str | None, default=None,
-                        help='Checkpoint directory to resume from, or "last".')
     return parser
 
 
 def build_parser(model_class: type[TrainModule] | None = None,
-                 datamodule_class: type[DataModule] | None = None, prog: str = "trainkit") -> ArgumentParser:
-    """The command line; ``prog``: what it is called (a script built on ``main`` names itself)."""
+                 datamodule_class: type[DataModule] | None = None, prog: str = "trainkit",
+                 configure: Callable[[ArgumentParser], None] = lambda parser: None) -> ArgumentParser:
+    """The command line; ``prog``: what it is called (a script built on ``main`` names itself); ``configure``: what a
+    ``TrainkitCLI`` adds to each subcommand's parser that builds a model (its defaults, arguments and links)."""
     parser = Parser(prog=prog, description="Train PyTorch models with trainkit.")
     subcommands = parser.add_subcommands(required=True, dest="subcommand")
     for name in SUBCOMMANDS:
-        subcommands.add_subcommand(name, _subcommand_parser(name, model_class, datamodule_class),
-                                   help=SUBCOMMANDS[name])
+        sub_parser = _subcommand_parser(name, model_class, datamodule_class)
+        configure(sub_parser)
+        subcommands.add_subcommand(name, sub_parser, help=SUBCOMMANDS[name])
     estimate_parser = _subcommand_parser("estimate", model_class, datamodule_class)
+    configure(estimate_parser)
     estimate_parser.add_argument("--devices_per_node", type=int | None, default=None,
                                  help="Ranks per machine (default: --trainer.devices).")
     estimate_parser.add_argument("--nodes", type=int | None, default=None,
@@ -235,8 +256,10 @@ def _demo_data_named(argv: list[str]) -> list[str]:
     return [*argv[:first], "--data", DEMO_DATA, *argv[first:]]
 
 
-def _instantiate(parser: ArgumentParser, cfg: Namespace, subcommand: str) -> tuple[Trainer, TrainModule, Any]:
-    sub_cfg = cfg[subcommand]
+def _instantiate(parser: ArgumentParser, cfg: Namespace, subcommand: str | None,
+                 callbacks: Sequence[Any] = ()) -> tuple[Trainer, TrainModule, Any]:
+    """The Trainer (with ``callbacks`` added to its own), model and data of ``cfg`` (of its ``subcommand``)."""
+    sub_cfg = cfg[subcommand] if subcommand else cfg
     model_cfg = sub_cfg.get("model")  # a fixed main(MyModule) has no class_path (nor a group without arguments)
     is_demo = isinstance(model_cfg, Namespace) and model_cfg.get("class_path") == DEMO_MODEL
     if is_demo and sub_cfg.get("data") is None:
@@ -244,7 +267,8 @@ def _instantiate(parser: ArgumentParser, cfg: Namespace, subcommand: str) -> tup
     seed = sub_cfg.trainer.seed if sub_cfg.trainer.seed is not None else (DEMO_TRAINER["seed"] if is_demo else None)
     if seed is not None:
         seed_everything(seed)  # before the model is built, so its initial weights follow the seed
-    init = parser.instantiate(cfg)[subcommand]
+    init = parser.instantiate(cfg)
+    init = init[subcommand] if subcommand else init
     model, data = init.model, init.data
     trainer_args = dict(init.trainer)
     if is_demo:
@@ -257,42 +281,133 @@ def _instantiate(parser: ArgumentParser, cfg: Namespace, subcommand: str) -> tup
             model.hparams.max_steps = trainer_args["max_steps"]  # the LR schedule spans the run unless set
             if isinstance(model_cfg.get("init_args"), Namespace):  # and config.yaml records the schedule it used
                 model_cfg.init_args.max_steps = trainer_args["max_steps"]
+    if callbacks:
+        trainer_args["callbacks"] = [*(trainer_args.get("callbacks") or []), *callbacks]
     trainer = Trainer(**trainer_args)
     return trainer, model, data
 
 
-def main(model_class: type[TrainModule] | None = None, datamodule_class: type[DataModule] | None = None,
-         args: Sequence[str] | None = None) -> None:
-    """Parse ``args`` (default: the command line) and run the chosen subcommand."""
-    script = model_class is not None and args is None and sys.argv and sys.argv[0].endswith(".py")
-    parser = build_parser(model_class, datamodule_class, Path(sys.argv[0]).name if script else "trainkit")
-    given = list(sys.argv[1:] if args is None else args)
-    if given and given[0].startswith("-") and not {"-h", "--help", *SUBCOMMANDS, *TOOLS} & set(given):
-        parser.error(f"name what to do first: one of {', '.join([*SUBCOMMANDS, *TOOLS])} (`{parser.prog} fit "
-                     f"{' '.join(given)}`, say).")
-    argv = normalize_argv(given)
-    if model_class is None and datamodule_class is None:
-        argv = _demo_data_named(argv)
-    cfg = parser.parse_args(argv)
-    subcommand = cfg.subcommand
-    sub_parser = parser._subcommands_action._name_parser_map[subcommand]
-    if subcommand == "export":
-        _export(cfg[subcommand], sub_parser)
-        return
-    if subcommand == "estimate":
-        _estimate(parser, cfg, sub_parser)
-        return
+class TrainkitCLI:
+    """Lightning's ``LightningCLI``, under trainkit's name: the ``trainkit`` command line over ``model_class`` and
+    ``datamodule_class`` (fixed: their ``__init__`` arguments become ``--model.<arg>`` / ``--data.<arg>``; None: a
+    class path, the demo by default), customised as a Lightning user customises it.
+
+    Args:
+        model_class, datamodule_class: the classes, or None for ``--model CLASS`` / ``--data CLASS``.
+        save_config_callback: None (or False) writes no ``config.yaml`` into the log directory. (trainkit has no
+            ``SaveConfigCallback``: the command line writes the file itself.)
+        trainer_defaults: Trainer arguments' defaults (``{"max_epochs": 5}``), which flags and ``--config`` still
+            override; its ``callbacks`` are added to every run's, as Lightning's "persistent callbacks" are.
+        args: the arguments (default: the command line's), a list as ``sys.argv[1:]`` holds them.
+        run: True parses ``fit|validate|test|predict|estimate|export ...`` and runs it; False takes no subcommand
+            (``--trainer.*``, ``--model.*``, ``--data.*``, ``--config``), builds ``self.trainer``, ``self.model`` and
+            ``self.datamodule``, and runs nothing: ``cli.trainer.fit(cli.model, datamodule=cli.datamodule)`` next.
+
+    Override ``add_arguments_to_parser(parser)`` to add arguments or link them (``parser.link_arguments(
+    "data.batch_size", "model.batch_size")``: set once, given to both), ``before_instantiate_classes()``, and
+    ``before_<subcommand>()`` / ``after_<subcommand>()`` (``before_fit``, ...) to run code around a subcommand.
+    """
+
+    def __init__(self, model_class: type[TrainModule] | None = None, datamodule_class: type[DataModule] | None = None,
+                 save_config_callback: Any = True, trainer_defaults: dict[str, Any] | None = None,
+                 args: Sequence[str] | None = None, run: bool = True) -> None:
+        self.model_class, self.datamodule_class = model_class, datamodule_class
+        self.save_config = save_config_callback not in (None, False)
+        self.trainer_defaults = dict(trainer_defaults or {})
+        self.subcommand: str | None = None
+        self.trainer: Trainer | None = None
+        self.model: TrainModule | None = None
+        self.datamodule: Any = None
+        script = model_class is not None and args is None and sys.argv and sys.argv[0].endswith(".py")
+        prog = Path(sys.argv[0]).name if script else "trainkit"
+        given = list(sys.argv[1:] if args is None else args)
+        if run:
+            self.parser = build_parser(model_class, datamodule_class, prog, self._configure)
+            self._run_command(given)
+            return
+        self.parser = _class_arguments(Parser(prog=prog, description=SUBCOMMANDS["fit"], exit_on_error=True),
+                                       model_class, datamodule_class)
+        self._configure(self.parser)
+        argv = normalize_argv(given)
+        self.config = self.parser.parse_args(_demo_data_named(argv) if model_class is datamodule_class is None else
+                                             argv)
+        self.before_instantiate_classes()
+        try:
+            self.trainer, self.model, self.datamodule = _instantiate(self.parser, self.config, None,
+                                                                     self._persistent_callbacks())
+        except (ValueError, TypeError, KeyError, RuntimeError) as err:
+            self.parser.error(str(err))
+
+    # -- what a subclass overrides, as in Lightning -------------------------------------------------
+    def add_arguments_to_parser(self, parser: ArgumentParser) -> None:
+        """Add arguments to ``parser`` (one subcommand's), or link them: ``parser.link_arguments("data.batch_size",
+        "model.batch_size")`` gives the model the data's value (and ``--model.batch_size`` is no longer a flag)."""
+
+    def before_instantiate_classes(self) -> None:
+        """Runs after parsing (``self.config``), before the model, data and Trainer are built."""
+
+    # -- the command line ----------------------------------------------------------------------------
+    def _configure(self, parser: ArgumentParser) -> None:
+        defaults = {f"trainer.{k}": v for k, v in self.trainer_defaults.items() if k != "callbacks"}
+        if defaults:
+            parser.set_defaults(defaults)
+        self.add_arguments_to_parser(parser)
+
+    def _persistent_callbacks(self) -> list[Any]:
+        value = self.trainer_defaults.get("callbacks") or []
+        return list(value) if isinstance(value, Sequence) else [value]
+
+    def _run_command(self, given: list[str]) -> None:
+        parser = self.parser
+        if given and given[0].startswith("-") and not {"-h", "--help", *SUBCOMMANDS, *TOOLS} & set(given):
+            parser.error(f"name what to do first: one of {', '.join([*SUBCOMMANDS, *TOOLS])} (`{parser.prog} fit "
+                         f"{' '.join(given)}`, say).")
+        argv = normalize_argv(given)
+        if self.model_class is None and self.datamodule_class is None:
+            argv = _demo_data_named(argv)
+        self.config = cfg = parser.parse_args(argv)
+        self.subcommand = subcommand = cfg.subcommand
+        sub_parser = parser._subcommands_action._name_parser_map[subcommand]
+        if subcommand == "export":
+            _export(cfg[subcommand], sub_parser)
+            return
+        if subcommand == "estimate":
+            _estimate(parser, cfg, sub_parser)
+            return
+        self.before_instantiate_classes()
+        try:
+            self.trainer, self.model, self.datamodule = _instantiate(parser, cfg, subcommand,
+                                                                     self._persistent_callbacks())
+        except (ValueError, TypeError, KeyError, RuntimeError) as err:
+            sub_parser.error(str(err))
+        trainer = self.trainer
+        if self.save_config:
+            _save_config(trainer, sub_parser, cfg[subcommand])
+        if subcommand == "predict":
+            output = cfg[subcommand].output
+            trainer.callbacks.append(PredictionWriter(output if output is not None else
+                                                      trainer.default_root_dir / "predictions.safetensors"))
+        before, after = (getattr(self, f"{when}_{subcommand}", None) for when in ("before", "after"))
+        with _reported(trainer, parser.prog, subcommand):
+            if callable(before):
+                before()
+            getattr(trainer, subcommand)(self.model, datamodule=self.datamodule, ckpt_path=cfg[subcommand].ckpt_path)
+            if callable(after):
+                after()
+        code = launcher.wait_children()
+        if code:
+            print(f"trainkit: error: a launched rank exited with code {code}.", file=sys.stderr)
+            sys.exit(code)
+
+
+@contextlib.contextmanager
+def _reported(trainer: Trainer, prog: str, subcommand: str) -> Iterator[None]:
+    """A subcommand's errors as the command line reports them: one block, the exit status (docs/cli.md)."""
     try:
-        trainer, model, data = _instantiate(parser, cfg, subcommand)
-    except (ValueError, TypeError, KeyError, RuntimeError) as err:
-        sub_parser.error(str(err))
-    _save_config(trainer, sub_parser, cfg[subcommand])
-    run = getattr(trainer, subcommand)
-    try:
-        run(model, datamodule=data, ckpt_path=cfg[subcommand].ckpt_path)
+        yield
     except ConfigurationError as err:  # raised alike on every rank: said once
         if trainer.is_global_zero:
-            print(f"{parser.prog}: error: {err}\nRun `{parser.prog} {subcommand} --help` for the accepted options.",
+            print(f"{prog}: error: {err}\nRun `{prog} {subcommand} --help` for the accepted options.",
                   file=sys.stderr, flush=True)
         launcher.wait_children()
         sys.exit(2)
@@ -316,10 +431,12 @@ def main(model_class: type[TrainModule] | None = None, datamodule_class: type[Da
         print(f"trainkit: rank {trainer.global_rank} {stop}", file=sys.stderr, flush=True)
         launcher.wait_children()
         sys.exit(PREEMPTED_EXIT_CODE)
-    code = launcher.wait_children()
-    if code:
-        print(f"trainkit: error: a launched rank exited with code {code}.", file=sys.stderr)
-        sys.exit(code)
+
+
+def main(model_class: type[TrainModule] | None = None, datamodule_class: type[DataModule] | None = None,
+         args: Sequence[str] | None = None) -> None:
+    """Parse ``args`` (default: the command line) and run the chosen subcommand: ``TrainkitCLI`` with its defaults."""
+    TrainkitCLI(model_class, datamodule_class, args=args)
 
 
 def _save_config(trainer: Trainer, parser: ArgumentParser, cfg: Namespace) -> None:

@@ -30,8 +30,8 @@ from typing import BinaryIO
 
 import torch
 
-from trainkit.checkpoint import LATEST, META, CheckpointError, CheckpointReader, safetensors_header
-from trainkit.rundir import newest
+from trainkit.checkpoint import CheckpointError, CheckpointReader, safetensors_header
+from trainkit.resume import checkpoint_in
 
 _DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
@@ -111,11 +111,8 @@ def export(checkpoint: str | Path, out: str | Path, max_shard_size: str | int | 
             its tensors named as in the submodule itself, with its configuration as ``config.json`` when it has one
             (a Hugging Face model's ``config``, recorded in the checkpoint): what ``from_pretrained`` loads.
     """
-    path = Path(checkpoint)
-    if not (path / META).is_file() and (path / LATEST).is_file():
-        found = newest(path)  # the newest run's, where fresh runs wrote versions of the directory (``rundir.py``)
-        assert found is not None
-        path = found
+    path = checkpoint_in(Path(checkpoint))
+    assert path is not None
     reader = CheckpointReader(path)
     if dtype is not None and dtype not in _DTYPE_NAMES:
         raise ValueError(f"export dtype must be one of {sorted(_DTYPE_NAMES)}; got {dtype!r}.")

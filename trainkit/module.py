@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -17,7 +18,10 @@ from trainkit.manual import ManualOptimizer, ManualStep
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
+    from trainkit.loggers import Logger
     from trainkit.trainer import Trainer
+
+M = TypeVar("M", bound="TrainModule")
 
 
 class AttributeDict(dict):
@@ -143,12 +147,43 @@ class TrainModule(ModelHooks, nn.Module):
     def hparams(self) -> AttributeDict:
         return self._hparams
 
+    @classmethod
+    def load_from_checkpoint(cls: type[M], path: str | Path, map_location: str | torch.device | None = None,
+                             strict: bool = True, **kwargs: Any) -> M:
+        """The module a trainkit checkpoint holds, as Lightning's ``load_from_checkpoint`` builds it: ``cls`` built
+        from the checkpoint's saved hyperparameters (``save_hyperparameters``; ``kwargs`` override them), then
+        ``configure_model`` and ``on_load_checkpoint``, then every weight read whole, on one process, from a
+        checkpoint any strategy wrote at any world size.
+
+        Args:
+            path: a checkpoint directory, or a directory holding a ``latest`` pointer (its newest checkpoint).
+            map_location: the device to put the module on (default: the CPU, where the checkpoint is read).
+            strict: every parameter and persistent buffer in both the module and the checkpoint; ``False`` loads
+                those in both and warns about the rest.
+
+        Returns the module in training mode, as Lightning does: call ``.eval()`` before inference."""
+        from trainkit.loading import load_from_checkpoint
+
+        return load_from_checkpoint(cls, path, map_location, strict, **kwargs)
+
     # -- where we are -------------------------------------------------------------------------------
     @property
     def trainer(self) -> Trainer:
         if self._trainer is None:
             raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer.")
         return self._trainer
+
+    @property
+    def logger(self) -> Logger | None:
+        """The Trainer's first logger (``None`` without a Trainer or a logger), as Lightning's ``self.logger``: its
+        ``experiment`` is the logger's own object (TensorBoard's ``SummaryWriter``) for what ``self.log`` does not
+        cover, ``self.logger.experiment.add_histogram(...)`` say."""
+        return self._trainer.logger if self._trainer is not None else None
+
+    @property
+    def loggers(self) -> list[Logger]:
+        """Every logger of the Trainer (``[]`` without one)."""
+        return self._trainer.loggers if self._trainer is not None else []
 
     @property
     def device(self) -> torch.device:

@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING, Any
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from trainkit import checkpoint as ckpt
+from trainkit.callbacks.checkpointing import ModelCheckpoint, best_of
+from trainkit.errors import ConfigurationError
 from trainkit.rundir import newest
-from trainkit.utils import jsonable
+from trainkit.utils import jsonable, stored_as_repr
 from trainkit_strategies.state import StateMismatch
 
 if TYPE_CHECKING:
@@ -35,6 +37,7 @@ def checkpoint_meta(states: States, module: Any, strategy: Strategy, precision: 
         "strategy": strategy.name,
         "precision": precision,
         "hyperparameters": jsonable(dict(module.hparams)),
+        "hyperparameters_repr": sorted(k for k, v in module.hparams.items() if stored_as_repr(v)),
         "optimizer": {
             "class": type(strategy.optimizer).__name__ if strategy.optimizer else None,
             "param_groups": strategy.optimizer_groups(),
@@ -146,17 +149,54 @@ def module_configs(module: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def resolve(checkpoint_dir: Path, ckpt_path: str | Path) -> Path | None:
+def resolve(checkpoint_dir: Path, ckpt_path: str | Path, callback: ModelCheckpoint | None = None) -> Path | None:
     """The checkpoint ``ckpt_path`` names: "last" is the newest in ``checkpoint_dir`` (None, with a warning,
-    when there is none); a directory holding a ``latest`` pointer means the checkpoint it points at."""
+    when there is none); "best" the best ``callback`` ranked, or the one its record in the newest checkpoint names
+    (``best_checkpoint``); a directory holding a ``latest`` pointer means the checkpoint it points at."""
+    if str(ckpt_path) == "best":
+        return best_checkpoint(callback, checkpoint_dir)
     if str(ckpt_path) == "last":
         found = newest(checkpoint_dir)
         if found is None:
             rank_zero_warn(f"ckpt_path='last' but {checkpoint_dir} holds no checkpoint; starting fresh.")
         return found
-    path = Path(ckpt_path)
+    return checkpoint_in(Path(ckpt_path))
+
+
+def best_checkpoint(callback: ModelCheckpoint | None, checkpoint_dir: Path) -> Path:
+    """What ``ckpt_path="best"`` names: the best checkpoint ``callback`` ranked in this process (Lightning's
+    ``best_model_path``) or, where it has ranked none (a new process: ``trainkit validate --ckpt_path best``), the
+    best that the newest checkpoint in ``checkpoint_dir`` (or its versions) records of the monitored
+    ``ModelCheckpoint`` that wrote it, beside it."""
+    if callback is not None and callback.best_model_path is not None:
+        return callback.best_model_path
+    found = newest(checkpoint_dir)
+    records = ckpt.read_meta(found).get("callbacks") or {} if found is not None else {}
+    monitored = [r for r in records.values() if isinstance(r, dict) and r.get("monitor") and "saved" in r]
+    wanted = callback.monitor if callback is not None else None
+    monitored.sort(key=lambda r: r["monitor"] != wanted)  # the Trainer's own ModelCheckpoint's record first
+    if not monitored:
+        raise ConfigurationError(
+            f'ckpt_path="best" needs checkpoints ranked by a monitored metric, and {checkpoint_dir} holds none written '
+            'by a ModelCheckpoint with monitor= set. Fit with one (ModelCheckpoint(monitor="val_loss"); on the command '
+            "line --trainer.callbacks+=ModelCheckpoint --trainer.callbacks.monitor val_loss), or pass "
+            'ckpt_path="last" or a checkpoint directory.')
+    assert found is not None
+    for record in monitored:
+        best = best_of(record["saved"], record.get("mode", "min"))
+        if best is not None:
+            return found.parent / best["name"]
+    names = " or ".join(sorted({repr(r["monitor"]) for r in monitored}))
+    raise ConfigurationError(f'ckpt_path="best": the ModelCheckpoint monitoring {names} ranked no checkpoint in '
+                             f"{found.parent}: the metric was never logged at a save. Log it where checkpoints are "
+                             'saved (in validation_step, say), or pass ckpt_path="last".')
+
+
+def checkpoint_in(path: Path) -> Path | None:
+    """``path``, or, for a directory holding a ``latest`` pointer and no meta.json, the newest checkpoint among it and
+    the versions fresh runs wrote of it (``rundir.py``)."""
     if path.is_dir() and not (path / ckpt.META).exists() and (path / ckpt.LATEST).exists():
-        return newest(path)  # the newest run's, where fresh runs wrote versions of the directory (``rundir.py``)
+        return newest(path)
     return path
 
 

@@ -310,10 +310,10 @@ class Trainer(TrainerProperties):
             self.save_checkpoint(self.checkpoint_dir, f"preempted-step={self.global_step}")
 
     def resolve_ckpt_path(self, ckpt_path: str | Path) -> Path | None:
-        """The checkpoint ``ckpt_path`` ("last", a checkpoint, or a directory with ``latest``) names."""
+        """The checkpoint ``ckpt_path`` ("last", "best", a checkpoint, or a directory with ``latest``) names."""
         callback = self.checkpoint_callback
         base = callback.base_dirpath if callback is not None and callback.base_dirpath is not None else None
-        return resume.resolve(base or self.checkpoint_dir, ckpt_path)
+        return resume.resolve(base or self.checkpoint_dir, ckpt_path, callback)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Send metrics to every logger (rank 0 only); for callbacks."""

@@ -39,6 +39,19 @@ def jsonable(value: Any) -> Any:
     return repr(value)
 
 
+def stored_as_repr(value: Any) -> bool:
+    """Whether ``jsonable`` keeps ``value``, or a part of it, only as its repr (text no constructor takes back)."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return False
+    if isinstance(value, dict):
+        return any(stored_as_repr(v) for v in value.values())
+    if isinstance(value, list | tuple | set):
+        return any(stored_as_repr(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        return value.numel() > 1024
+    return True
+
+
 def _count(n: int) -> str:
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= size:

@@ -2,6 +2,7 @@ from trainkit.callbacks.base import Callback
 from trainkit.callbacks.checkpointing import ModelCheckpoint, OnExceptionCheckpoint
 from trainkit.callbacks.early_stopping import EarlyStopping
 from trainkit.callbacks.lr_monitor import LearningRateMonitor
+from trainkit.callbacks.prediction_writer import PredictionWriter
 from trainkit.callbacks.profiler import PyTorchProfiler, SimpleProfiler
 from trainkit.callbacks.progress import ProgressBar
 from trainkit.callbacks.telemetry import Telemetry
@@ -14,6 +15,7 @@ __all__ = [
     "LearningRateMonitor",
     "ModelCheckpoint",
     "OnExceptionCheckpoint",
+    "PredictionWriter",
     "ProgressBar",
     "PyTorchProfiler",
     "SimpleProfiler",

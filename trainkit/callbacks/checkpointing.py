@@ -19,12 +19,23 @@ if TYPE_CHECKING:
     from trainkit.trainer import Trainer
 
 
+def best_of(saved: list[dict[str, Any]], mode: str) -> dict[str, Any] | None:
+    """The entry of ``saved`` (``{"name", "step", "score"}`` each) with the best score by ``mode``; None if none has
+    one."""
+    scored = [s for s in saved if s["score"] is not None]
+    if not scored:
+        return None
+    return (min if mode == "min" else max)(scored, key=lambda s: s["score"])
+
+
 class ModelCheckpoint(Callback):
     """Save checkpoints periodically; keep the best ``save_top_k`` (by ``monitor``) or the newest.
 
     Args:
         dirpath: directory of checkpoints (default ``<default_root_dir>/checkpoints``). Its ``latest``
-            pointer always names the newest checkpoint; ``ckpt_path="last"`` resumes from it.
+            pointer always names the newest checkpoint; ``ckpt_path="last"`` resumes from it, ``ckpt_path="best"``
+            loads the best by ``monitor`` (``best_model_path``, or, in a later process, the newest checkpoint's record
+            of it).
         filename: name template; ``{epoch}``, ``{step}`` and logged metric names are filled in.
         monitor: metric to rank checkpoints by (None: rank by recency).
         mode: "min" or "max" for ``monitor``.
@@ -73,7 +84,8 @@ class ModelCheckpoint(Callback):
         return f"ModelCheckpoint[{self.monitor or 'recent'},{self.base_dirpath}]"
 
     def state_dict(self) -> dict[str, Any]:
-        return {"saved": self.saved, "last_step": self._last_step}
+        """What it keeps, and how it ranks them: what ``ckpt_path="best"`` reads in a later process."""
+        return {"saved": self.saved, "last_step": self._last_step, "monitor": self.monitor, "mode": self.mode}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.saved = list(state.get("saved", []))
@@ -81,10 +93,7 @@ class ModelCheckpoint(Callback):
 
     @property
     def best(self) -> dict[str, Any] | None:
-        scored = [s for s in self.saved if s["score"] is not None]
-        if not scored:
-            return None
-        return (min if self.mode == "min" else max)(scored, key=lambda s: s["score"])
+        return best_of(self.saved, self.mode)
 
     @property
     def best_model_path(self) -> Path | None:

@@ -10,8 +10,35 @@ from typing import Any
 from trainkit.loggers.base import Logger, flatten_params
 
 
+class CSVExperiment:
+    """A ``CSVLogger``'s ``experiment``, as Lightning's CSV ``ExperimentWriter``: rows and hyperparameters written by
+    hand (``self.logger.experiment.log_metrics({"seen": n}, step)``) into the logger's own files."""
+
+    def __init__(self, logger: CSVLogger) -> None:
+        self._logger = logger
+
+    @property
+    def log_dir(self) -> Path:
+        return self._logger.log_dir
+
+    @property
+    def metrics_file_path(self) -> Path:
+        return self._logger.log_dir / "metrics.csv"
+
+    def log_metrics(self, metrics_dict: dict[str, float], step: int | None = None) -> None:
+        """One row; without ``step``, the row's number (as Lightning's)."""
+        self._logger.log_metrics(metrics_dict, len(self._logger._rows) if step is None else step)
+
+    def log_hparams(self, params: dict[str, Any]) -> None:
+        self._logger.log_hyperparams(params)
+
+    def save(self) -> None:
+        self._logger.save()
+
+
 class CSVLogger(Logger):
-    """Writes ``<root_dir>/<name>/version_<N>/metrics.csv``; the header grows as new metrics appear."""
+    """Writes ``<root_dir>/<name>/version_<N>/metrics.csv``; the header grows as new metrics appear. ``experiment`` (on
+    rank 0; a ``DummyExperiment`` elsewhere) writes rows by hand, as Lightning's."""
 
     def __init__(self, root_dir: str | Path = "runs", name: str = "trainkit", version: int | str | None = None) -> None:
         super().__init__(root_dir, name, version)
@@ -19,6 +46,9 @@ class CSVLogger(Logger):
         self._columns: list[str] = ["step"]
         self._written_rows = 0
         self._written_columns: list[str] = []
+
+    def _experiment(self) -> CSVExperiment:
+        return CSVExperiment(self)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self._rows.append({"step": step, **metrics})

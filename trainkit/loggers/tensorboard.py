@@ -19,8 +19,9 @@ class TensorBoardLogger(Logger):
 
     Scalars and hyperparameters go to one event file, written by the calling thread into a buffered file
     (one event per ``log_metrics`` call, holding all its scalars) and flushed by ``save()``: no writer
-    thread competes with the training loop. ``writer`` is a ``torch.utils.tensorboard.SummaryWriter`` on the
-    same directory, created on first use, for anything else (histograms, images, graphs).
+    thread competes with the training loop. ``experiment`` is a ``torch.utils.tensorboard.SummaryWriter`` on the
+    same directory, created on first use on rank 0, for anything else (``self.logger.experiment.add_histogram``,
+    ``add_image``, graphs), as Lightning's; on other ranks it is a ``DummyExperiment``.
     """
 
     def __init__(self, root_dir: str | Path = "runs", name: str = "trainkit", version: int | str | None = None) -> None:
@@ -30,8 +31,7 @@ class TensorBoardLogger(Logger):
         self._records: Any = None
         self._hparams: dict[str, Any] = {}
 
-    @property
-    def writer(self) -> Any:
+    def _experiment(self) -> Any:
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -58,6 +58,9 @@ class RegressionData(tk.DataModule):
     def val_dataloader(self):
         return DataLoader(self.val_set, batch_size=self.batch_size)
 
+    def predict_dataloader(self):  # the validation inputs alone: Regressor's predict_step is self(batch)
+        return DataLoader(make_data(self.n, self.dim).tensors[0][self.n * 7 // 8 :], batch_size=self.batch_size)
+
     def test_dataloader(self):
         return DataLoader(self.val_set, batch_size=self.batch_size)
 
