@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset, random_split
 
 from trainkit import DataModule, Trainer, TrainModule, callbacks
-from trainkit.cli import CLI
+from trainkit.cli import TrainkitCLI
 from trainkit.utilities import rank_zero_only
 
 SIDE = 8
@@ -110,7 +110,7 @@ class MyDataModule(DataModule):
 
 
 def cli_main():
-    cli = CLI(
+    cli = TrainkitCLI(
         LitAutoEncoder,
         MyDataModule,
         seed_everything_default=1234,

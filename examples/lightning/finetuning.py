@@ -29,7 +29,7 @@ from torchmetrics import Accuracy
 
 from trainkit import DataModule, TrainModule
 from trainkit.callbacks import BaseFinetuning
-from trainkit.cli import CLI
+from trainkit.cli import TrainkitCLI
 from trainkit.utilities import rank_zero_info
 
 log = logging.getLogger(__name__)
@@ -231,7 +231,7 @@ class TransferLearningModel(TrainModule):
         return [optimizer], [scheduler]
 
 
-class MyCLI(CLI):
+class MyCLI(TrainkitCLI):
     def add_arguments_to_parser(self, parser):
         parser.add_lightning_class_args(MilestonesFinetuning, "finetuning")
         parser.link_arguments("data.batch_size", "model.batch_size")
