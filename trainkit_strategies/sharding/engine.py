@@ -27,7 +27,6 @@ meta device are materialised one unit at a time (``materialise.py``).
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Collection, Iterator
 from functools import partial
 
@@ -48,7 +47,7 @@ from trainkit_strategies.memory import MemoryReport, resize_storage
 from trainkit_strategies.precision import Precision, dtype_named
 from trainkit_strategies.sharding.deferred import InitRecorder, Replayer
 from trainkit_strategies.sharding.materialise import materialise_meta
-from trainkit_strategies.sharding.units import ShardedBucket, Unit, UnitOrder, assign_units, weakly
+from trainkit_strategies.sharding.units import ShardedBucket, Unit, UnitOrder, assign_units, on_first_grad, weakly
 
 
 def _in_backward() -> bool:
@@ -216,7 +215,6 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
             for mod in unit.modules:
                 hooks.append(mod.register_forward_pre_hook(partial(self._pre_forward, unit)))
                 hooks.append(mod.register_forward_hook(partial(self._post_forward, unit)))
-                hooks.append(mod.register_full_backward_pre_hook(partial(self._pre_backward, unit)))
         on_grad = weakly(self._on_grad)  # a parameter's hook must not keep the strategy (and its module) alive
         self._hooks = hooks + [p.register_post_accumulate_grad_hook(on_grad) for p in self._bucket_of
                                if p.requires_grad]
@@ -284,6 +282,8 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
     def _post_forward(self, unit: Unit, module: nn.Module, args: tuple, output: object) -> None:
         if _in_backward():  # recomputation: backward frees the unit once its gradients are reduced
             return
+        if torch.is_grad_enabled():  # backward gathers the unit again when it reaches these outputs
+            on_first_grad(output, partial(self._pre_backward, unit))
         unit.forward_calls += 1
         if unit.forward_calls < len(unit.modules):
             return
@@ -300,7 +300,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         if self._finished is not None and self._finished is not keep:
             self._reshard(self._finished)
 
-    def _pre_backward(self, unit: Unit, module: nn.Module, grad_output: tuple) -> None:
+    def _pre_backward(self, unit: Unit, grad: Tensor) -> None:
         self._queue_end_backward()
         nxt = self._next_in_order("backward", unit)
         self._gather(unit)
@@ -317,9 +317,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
             if unit.root:  # a pipeline runs forwards between backwards: the last backward's end freed it
                 self._gather(unit)
         self._order.restart("backward")
-        with warnings.catch_warnings():  # the first unit's inputs never require grad; its pre-hook still fires
-            warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
-            yield
+        yield
 
     def _queue_end_backward(self) -> None:
         if not self._end_queued:
