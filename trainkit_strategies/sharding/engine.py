@@ -42,7 +42,7 @@ from trainkit_strategies.capabilities import ShardedInit
 from trainkit_strategies.comm import Comm
 from trainkit_strategies.environment import Environment
 from trainkit_strategies.flat import BucketReducer, FlatBucket, OrderedLauncher
-from trainkit_strategies.master import DeferredGradScale, MasterShards
+from trainkit_strategies.master import DeferredGradScale, FixedGroups, MasterShards
 from trainkit_strategies.memory import MemoryReport, resize_storage
 from trainkit_strategies.precision import Precision, dtype_named
 from trainkit_strategies.sharding.deferred import InitRecorder, Replayer
@@ -54,7 +54,7 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
+class ShardedStrategy(DeferredGradScale, FixedGroups, Strategy, ShardedInit):
     """The ZeRO-3 / FSDP engine; subclasses choose the units (``unit_modules``) and persistent params.
 
     Args:
@@ -175,6 +175,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         for unit in self.units:
             if unit.persistent:
                 self._gather(unit)
+        self.record_plan()
 
     def _materialise(self, unit: Unit, layouts: list[FlatBucket]) -> None:
         """Give the unit's parameters their values (initialising meta ones in place in the unit's fp32
@@ -310,6 +311,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
     # -- gradients -----------------------------------------------------------------------------------
     @contextlib.contextmanager
     def backward_pass(self) -> Iterator[None]:
+        self.check_plan()
         self._launcher.reset()
         self._end_queued = False
         for unit in self.units:
