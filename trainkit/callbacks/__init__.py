@@ -1,6 +1,7 @@
 from trainkit.callbacks.base import Callback
 from trainkit.callbacks.checkpointing import ModelCheckpoint, OnExceptionCheckpoint
 from trainkit.callbacks.early_stopping import EarlyStopping
+from trainkit.callbacks.finetuning import BaseFinetuning
 from trainkit.callbacks.lr_monitor import LearningRateMonitor
 from trainkit.callbacks.profiler import PyTorchProfiler, SimpleProfiler
 from trainkit.callbacks.progress import ProgressBar
@@ -8,6 +9,7 @@ from trainkit.callbacks.telemetry import Telemetry
 from trainkit.callbacks.throughput import ThroughputMonitor
 
 __all__ = [
+    "BaseFinetuning",
     "Callback",
     "EarlyStopping",
     "LearningRateMonitor",
