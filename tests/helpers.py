@@ -115,6 +115,21 @@ class BatchNormRegression(ValidatedRegression):
         self.net = nn.Sequential(nn.Linear(8, 16, bias=False), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
 
 
+class LeakyGenerator(ValidatedRegression):
+    """Lightning's GAN generator (generative_adversarial_net.py): blocks of Linear, BatchNorm1d (its eps of 0.8) and
+    LeakyReLU(0.2, inplace=True), flattened into one Sequential, so every activation modifies a unit's output in
+    place under zero3 and fsdp."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.Linear(8, 16), nn.LeakyReLU(0.2, inplace=True),
+            nn.Linear(16, 16, bias=False), nn.BatchNorm1d(16, 0.8), nn.LeakyReLU(0.2, inplace=True),
+            nn.Linear(16, 16, bias=False), nn.BatchNorm1d(16, 0.8), nn.LeakyReLU(0.2, inplace=True),
+            nn.Linear(16, 1))
+
+
 class RMSNorm(nn.Module):
     """A norm with no reset_parameters: its weight comes from ``torch.ones`` in the constructor."""
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -221,9 +222,9 @@ def restore(path: Path, module: Any, strategy: Strategy, states: States | None,
         if isinstance(obj, Mapping):
             for inner_key, inner in obj.items():
                 if saved.get(inner_key) is not None:
-                    inner.load_state_dict(saved[inner_key])
+                    inner.load_state_dict(_as_saved(saved[inner_key], inner.state_dict()))
         else:
-            obj.load_state_dict(saved)
+            obj.load_state_dict(_as_saved(saved, obj.state_dict()))
     on_load(meta.get("user", {}))
     if states is None:
         return None
@@ -241,6 +242,22 @@ def restore(path: Path, module: Any, strategy: Strategy, states: States | None,
         )
         return ranks[0]["rng"]
     return None
+
+
+def _as_saved(saved: Any, current: Any) -> Any:
+    """``saved``, read back from meta.json, with the key types and mapping types of ``current`` (the object's state
+    now): JSON writes every key as a string and every mapping as a dict, and a scheduler's state has integer keys
+    (MultiStepLR's ``milestones``, a Counter of epochs) that as strings never match, so the rate would stop
+    decaying after a resume."""
+    if not (isinstance(saved, dict) and isinstance(current, dict)):
+        return saved
+    keys = {str(k): k for k in current}
+    numbered = bool(current) and all(isinstance(k, int) for k in current)
+    out = {}
+    for key, value in saved.items():
+        key = keys.get(key, int(key) if numbered and key.lstrip("-").isdigit() else key)
+        out[key] = _as_saved(value, current.get(key))
+    return Counter(out) if isinstance(current, Counter) else out
 
 
 def resume_hint(checkpoint_dir: Path, stop: str = "the failure") -> str:

@@ -55,6 +55,7 @@ class Strategy(Ranks, GradientParts, Checkpointing, Planning, ABC):
     name: ClassVar[str]
     broadcast_buffers = True  # data-parallel strategies overwrite replicas' float buffers with rank 0's
     accepts_self_reducing: ClassVar[bool] = False  # runs optimizers that average across ranks themselves
+    accepts_new_groups: ClassVar[bool] = True  # takes param groups added, and parameters unfrozen, mid-run
     data_axis: ClassVar[str] = "dp_replicate"  # the layout axis its ranks form: replicas, or "dp_shard" (shards)
     hybrid: ClassVar[bool] = False  # its shards can be replicated (setup_environment's replicas: HSDP) and its group
     # can hold context-parallel ranks (gradients summed over a sequence's chunks)
@@ -105,6 +106,20 @@ class Strategy(Ranks, GradientParts, Checkpointing, Planning, ABC):
         self.module, self.optimizer, self.precision = module, optimizer, precision
         if optimizer is not None:
             self._group_names = st.group_names_of(optimizer, st.param_names(module))
+
+    def refresh_groups(self) -> None:
+        """Record the optimizer's param groups as they are now, by parameter name: a group added during training
+        (``optimizer.add_param_group`` in a callback, as Lightning's ``BaseFinetuning.unfreeze_and_add_param_group``
+        does) is then saved in checkpoints with the others, and re-created when one is loaded. The strategy calls it
+        where it reads the groups (a save, a load); a strategy that planned buckets by the groups refuses
+        (``master.FixedGroups``)."""
+        if self.optimizer is not None and self.module is not None:
+            self._group_names = st.group_names_of(self.optimizer, st.param_names(self.module))
+
+    def _groups_changed(self) -> bool:
+        """Whether the optimizer has more (or fewer) param groups than were recorded. Their number, not their tensors:
+        a sharding strategy re-targets each group onto its pieces, keeping the groups."""
+        return self.optimizer is not None and len(self.optimizer.param_groups) != len(self._group_names)
 
     def _place(self, module: nn.Module) -> None:
         """Move what ``module`` holds that is not on the device yet there (parameters, buffers, and what a module's

@@ -12,18 +12,23 @@ from torch.optim import Optimizer
 
 from trainkit_strategies import state as st
 from trainkit_strategies.capabilities import SelfReducing
+from trainkit_strategies.errors import groups_fixed
 
 
 class Checkpointing:
     """``state_layout`` (the holders of this rank's model and optimizer state), ``state_pieces`` and ``load_state``
     for checkpoints; ``local_state`` for per-rank state; ``full_parameters``/``full_gradients`` whole by name."""
 
+    name: str
+    accepts_new_groups: bool
     module: nn.Module | None
     optimizer: Optimizer | None
     _group_names: list[list[str]]
 
     def state_layout(self) -> st.StateLayout:
         """Describe the model and optimizer state this rank holds (replicated: everything, whole)."""
+        if self._groups_changed():
+            self.refresh_groups()
         shapes, model = self._whole_state(skip=set())
         holders = []
         if self.optimizer is not None:
@@ -70,17 +75,45 @@ class Checkpointing:
         """Param groups as names plus hyperparameters (JSON-ready)."""
         if self.optimizer is None:
             return []
+        if self._groups_changed():  # a group added during training (add_param_group) is saved too
+            self.refresh_groups()
         hyper = st.group_hyperparameters(self.optimizer)
         return [{"params": names, **h} for names, h in zip(self._group_names, hyper, strict=True)]
 
     def load_state(self, reader: st.Reader, groups: Sequence[dict] | None) -> None:
         """Fill model (and, when ``groups`` is given, optimizer) state from any checkpoint's ranges."""
+        if groups is not None:
+            self._add_saved_groups(groups)
         layout = self.state_layout()
         st.load_model(layout, reader)
         if groups is not None:
             st.load_optimizer(layout, reader, groups)
             self._load_local(reader)
         self._after_load()
+
+    def _add_saved_groups(self, groups: Sequence[dict]) -> None:
+        """Re-create the param groups the checkpoint holds after this run's own (``add_param_group`` during the saved
+        run: a callback unfreezing part of the model), so that their optimizer state loads and the run goes on as
+        the saved one would have. Their parameters train again (requires_grad), as they did once their group was
+        added; a callback that froze some of them later restores that itself (``BaseFinetuning`` does)."""
+        optimizer, module = self.optimizer, self.module
+        if optimizer is None or module is None or len(groups) <= len(optimizer.param_groups):
+            return
+        own = len(optimizer.param_groups)
+        by_name = {n: p for p, n in st.param_names(module).items()}
+        added = groups[own:]
+        if ([g["params"] for g in groups[:own]] != self._group_names
+                or any(n not in by_name for g in added for n in g["params"])):
+            return  # another model or optimizer: ``load_optimizer`` names the mismatch
+        if not self.accepts_new_groups:
+            raise groups_fixed(self.name, f"the checkpoint holds {len(added)} param group(s) added during training, "
+                                          "which this run's optimizer would need again")
+        for saved in added:
+            params = [by_name[n] for n in saved["params"]]
+            for p in params:
+                p.requires_grad_(True)
+            optimizer.add_param_group(st.saved_group(saved, params, optimizer.defaults))
+        self.refresh_groups()
 
     def _load_local(self, reader: st.Reader) -> None:
         prefix = self._local_prefix()

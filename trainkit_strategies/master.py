@@ -23,12 +23,43 @@ from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 from trainkit_strategies import state as st
 from trainkit_strategies.environment import Environment
+from trainkit_strategies.errors import groups_fixed
 from trainkit_strategies.flat import FlatBucket
 from trainkit_strategies.host_adam import HostAdam, follows, supported
 from trainkit_strategies.hostcopy import CopyStream, host_buffer, synchronize
 from trainkit_strategies.norms import sharded_norm
 
 _FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+class FixedGroups:
+    """For the strategies whose buckets and master shards are planned at setup by the param groups and the trainable
+    parameters (ZeRO-1/2, ZeRO-Offload, ZeRO-3, FSDP): a group added later (``add_param_group``) has no master
+    pieces, and a parameter frozen at setup and unfrozen later has no bucket (its gradient would never be reduced nor
+    stepped), so ``check_plan``, at every backward, refuses either, saying what can take it. (Freezing a parameter
+    for a while, as Lightning's ``toggle_optimizer`` does, is no change of plan.) Mix in before Strategy; call
+    ``record_plan`` at the end of setup."""
+
+    name: str
+    accepts_new_groups = False
+    module: torch.nn.Module | None
+    _frozen: list[tuple[str, Tensor]] = []  # the parameters without requires_grad at setup, by name
+
+    def record_plan(self) -> None:
+        assert self.module is not None
+        self._frozen = [(n, p) for n, p in self.module.named_parameters() if not p.requires_grad]
+
+    def refresh_groups(self) -> None:
+        raise groups_fixed(self.name, "the optimizer has a param group it was not set up with (added with "
+                                      "optimizer.add_param_group)")
+
+    def check_plan(self) -> None:
+        if self._groups_changed():  # type: ignore[attr-defined]
+            self.refresh_groups()
+        unfrozen = [n for n, p in self._frozen if p.requires_grad]
+        if unfrozen:
+            raise groups_fixed(self.name, f"{len(unfrozen)} parameter(s) frozen at setup have requires_grad again ("
+                                          f"{', '.join(unfrozen[:5])}{', ...' if len(unfrozen) > 5 else ''})")
 
 
 class DeferredGradScale:

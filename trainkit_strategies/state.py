@@ -292,6 +292,13 @@ def load_optimizer(layout: StateLayout, reader: Reader, groups: Sequence[dict]) 
     optimizer.load_state_dict({"state": torch_state, "param_groups": param_groups})
 
 
+def saved_group(saved: dict, params: list[Tensor], defaults: dict) -> dict:
+    """A param group for ``optimizer.add_param_group``: ``params`` with the hyperparameters a checkpoint saved for it
+    (``saved``, from ``group_hyperparameters``), each in the type of the optimizer's default (a tuple, a tensor)."""
+    hyper = {k: _like(v, defaults.get(k)) for k, v in saved.items() if k not in _EXECUTION_KEYS}
+    return {**hyper, "params": params}
+
+
 def _like(value: object, current: object) -> object:
     if isinstance(current, tuple) and isinstance(value, list):
         return tuple(value)

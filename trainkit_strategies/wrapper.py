@@ -17,6 +17,7 @@ from torch import Tensor
 from trainkit_strategies import state as st
 from trainkit_strategies.base import Strategy
 from trainkit_strategies.comm import Comm
+from trainkit_strategies.errors import groups_fixed
 from trainkit_strategies.memory import MemoryReport
 
 
@@ -24,6 +25,7 @@ class Wrapper(Strategy):
     """A strategy whose work is done by ``self.inner`` (made in ``setup_environment``) except where it overrides."""
 
     inner: Strategy
+    accepts_new_groups = False  # see refresh_groups
 
     @property
     def dp_rank(self) -> int:
@@ -76,7 +78,14 @@ class Wrapper(Strategy):
         return self.inner.full_gradients()
 
     def optimizer_step(self) -> None:
+        if self._groups_changed():
+            self.refresh_groups()
         self.inner.optimizer_step()
+
+    def refresh_groups(self) -> None:
+        """Refused: the layout cut and renamed the model, and its engine planned, by the groups it was set up with."""
+        raise groups_fixed(self.name, "the optimizer has a param group it was not set up with (added with "
+                                      "optimizer.add_param_group)")
 
     def zero_grad(self) -> None:
         self.inner.zero_grad()

@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 from tests.helpers import (
     BatchNormRegression,
     DeferredInitNet,
+    LeakyGenerator,
     LossValidatedRegression,
     MaskedRegression,
     MaskedSequences,
@@ -90,6 +91,7 @@ class Case:
     # "routed" (parameters unused at times; "routed_items": and num_items), "gpt" (tied embeddings, tokens as
     # items; "gpt6": 6 blocks), "batchnorm" (BatchNorm statistics, compared across strategies: a single process
     # normalises over the global batch),
+    # "leaky" (BatchNorm and LeakyReLU(inplace=True) after every Linear: Lightning's GAN generator),
     # "loss_validated" (no pipeline_validation_step: pipeline validates with pipeline_loss), "deferred" (built
     # and custom-initialised in configure_model: on the meta device under zero3/fsdp)
     model: str = "regression"
@@ -300,6 +302,8 @@ def _module_and_data(case: Case, world_size: int) -> tuple[Any, Any]:
         return DeferredInitNet(), sequence_regression_data(samples)
     if case.model == "batchnorm":
         return BatchNormRegression(), regression_data(samples)
+    if case.model == "leaky":
+        return LeakyGenerator(), regression_data(samples)
     if case.model == "llama":  # examples/llama.py: RMSNorm, rotary, SwiGLU, grouped-query attention, untied head
         sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
         from llama import Llama
@@ -453,12 +457,12 @@ def run_plain(case: Case, world_size: int, variant: str | None = None, split: in
     if case.validate:
         tokens = case.model in ("gpt", "gpt6", "gpt_h4")
         val = TokenWindows(MarkovChain(16, 0.5, seed=3).sample(13, 17, seed=5)) if tokens else \
-            regression_data(13, seed=5) if case.model in ("regression", "validated", "batchnorm") else None
+            regression_data(13, seed=5) if case.model in ("regression", "validated", "batchnorm", "leaky") else None
     out = train_plain(module, data, batch_size=case.per_rank_batch * replicas, steps=case.steps,
                       precision=case.precision, accumulate=case.accumulate, clip=case.clip,
                       clip_algorithm=case.clip_algorithm, init_scale=case.init_scale, val_data=val, val_every=5,
                       device=plain_device(world_size), variant=variant, split=split)
-    logged = out["val"] if case.model in ("validated", "batchnorm") else {k: v for k, v in out["val"].items()
+    logged = out["val"] if case.model in ("validated", "batchnorm", "leaky") else {k: v for k, v in out["val"].items()
                                                                             if k == "val_loss"}
     return Result(out["losses"], out["grads"] if case.probe_grads else [], out["params"], val=logged)
 

@@ -91,6 +91,7 @@ class DDPStrategy(Strategy):
         self._buckets: list[_Bucket] = []
         self._slots: dict[nn.Parameter, _Slot] = {}
         self._names: dict[nn.Parameter, str] = {}
+        self._frozen: list[nn.Parameter] = []  # the parameters without requires_grad (nor a bucket)
         self._launcher = OrderedLauncher([], self._launch)
         self._end_queued = False
 
@@ -104,14 +105,25 @@ class DDPStrategy(Strategy):
                     "compression='powersgd'. Choose one: drop --trainer.strategy.compression, or use AdamW."
                 )
             optimizer.bind(self.comm)
-        for slot in self._slots.values():
-            for handle in slot.hooks:
-                handle.remove()
         with torch.no_grad():
             self.comm.broadcast_coalesced([*module.parameters(), *module.buffers()])
         self._names = {p: n for n, p in module.named_parameters()}
-        params = [p for p in module.parameters() if p.requires_grad]
-        self._build_buckets(params)
+        self._rebucket()
+
+    def _rebucket(self) -> None:
+        """Buckets (and gradient hooks) for the parameters that train now. Called at setup and again at the first
+        backward after a callback unfroze parameters (Lightning's ``BaseFinetuning``, with or without a new param
+        group): a parameter left outside every bucket would step on its own rank's gradient. Every rank runs the same
+        callbacks, so all re-bucket at the same backward, alike. A parameter frozen for a while keeps its bucket (as
+        an unused one: ``toggle_optimizer``'s)."""
+        if self.compressor is not None and self._slots:
+            warnings.warn("ddp: the trainable parameters changed, so the gradient buckets are rebuilt and PowerSGD's "
+                          "factors and error feedback start afresh.", stacklevel=2)
+        for slot in self._slots.values():
+            for handle in slot.hooks:
+                handle.remove()
+        self._frozen = [p for p in self._names if not p.requires_grad]
+        self._build_buckets([p for p in self._names if p.requires_grad])
         self._arm()
 
     def _arm(self) -> None:
@@ -146,6 +158,8 @@ class DDPStrategy(Strategy):
     @contextlib.contextmanager
     def backward_pass(self) -> Iterator[None]:
         self._local = isinstance(self.optimizer, SelfReducing) and self.optimizer.reduces_gradients
+        if any(p.requires_grad for p in self._frozen):
+            self._rebucket()
         self._arm()
         if self._syncing:
             self._launcher.reset()

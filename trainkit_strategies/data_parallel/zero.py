@@ -43,12 +43,12 @@ from trainkit_strategies.data_parallel.gradients import (
 from trainkit_strategies.data_parallel.onebit import SignReduceScatter
 from trainkit_strategies.flat import BucketReducer, FlatBucket, OrderedLauncher, first_bucket_bytes, pack
 from trainkit_strategies.hostcopy import mark
-from trainkit_strategies.master import DeferredGradScale, MasterShards
+from trainkit_strategies.master import DeferredGradScale, FixedGroups, MasterShards
 from trainkit_strategies.memory import MemoryReport
 from trainkit_strategies.precision import Precision, dtype_named
 
 
-class ZeroStrategy(DeferredGradScale, Strategy):
+class ZeroStrategy(DeferredGradScale, FixedGroups, Strategy):
     """Shard optimizer state (and, by its ``gradient_layout``, gradients) across data-parallel ranks.
 
     Args:
@@ -145,6 +145,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
         self._arm()
         self._signs = (SignReduceScatter(optimizer.error_feedback, getattr(optimizer, "workspace", None))
                        if isinstance(optimizer, SelfReducing) else None)
+        self.record_plan()
 
     def _arm(self) -> None:
         """The gradient hooks on (after ``setup``, and again at the first backward after a ``teardown``)."""
@@ -181,6 +182,7 @@ class ZeroStrategy(DeferredGradScale, Strategy):
     # -- backward ------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def backward_pass(self) -> Iterator[None]:
+        self.check_plan()
         compressing = self._signs is not None and self.optimizer.reduces_gradients  # type: ignore[union-attr]
         self.reducer.codec = self._signs if compressing else None
         self._arm()

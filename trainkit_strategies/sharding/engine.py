@@ -27,7 +27,6 @@ meta device are materialised one unit at a time (``materialise.py``).
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Collection, Iterator
 from functools import partial
 
@@ -43,19 +42,19 @@ from trainkit_strategies.capabilities import ShardedInit
 from trainkit_strategies.comm import Comm
 from trainkit_strategies.environment import Environment
 from trainkit_strategies.flat import BucketReducer, FlatBucket, OrderedLauncher
-from trainkit_strategies.master import DeferredGradScale, MasterShards
+from trainkit_strategies.master import DeferredGradScale, FixedGroups, MasterShards
 from trainkit_strategies.memory import MemoryReport, resize_storage
 from trainkit_strategies.precision import Precision, dtype_named
 from trainkit_strategies.sharding.deferred import InitRecorder, Replayer
 from trainkit_strategies.sharding.materialise import materialise_meta
-from trainkit_strategies.sharding.units import ShardedBucket, Unit, UnitOrder, assign_units, weakly
+from trainkit_strategies.sharding.units import ShardedBucket, Unit, UnitOrder, assign_units, on_first_grad, weakly
 
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
+class ShardedStrategy(DeferredGradScale, FixedGroups, Strategy, ShardedInit):
     """The ZeRO-3 / FSDP engine; subclasses choose the units (``unit_modules``) and persistent params.
 
     Args:
@@ -176,6 +175,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         for unit in self.units:
             if unit.persistent:
                 self._gather(unit)
+        self.record_plan()
 
     def _materialise(self, unit: Unit, layouts: list[FlatBucket]) -> None:
         """Give the unit's parameters their values (initialising meta ones in place in the unit's fp32
@@ -216,7 +216,6 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
             for mod in unit.modules:
                 hooks.append(mod.register_forward_pre_hook(partial(self._pre_forward, unit)))
                 hooks.append(mod.register_forward_hook(partial(self._post_forward, unit)))
-                hooks.append(mod.register_full_backward_pre_hook(partial(self._pre_backward, unit)))
         on_grad = weakly(self._on_grad)  # a parameter's hook must not keep the strategy (and its module) alive
         self._hooks = hooks + [p.register_post_accumulate_grad_hook(on_grad) for p in self._bucket_of
                                if p.requires_grad]
@@ -284,6 +283,8 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
     def _post_forward(self, unit: Unit, module: nn.Module, args: tuple, output: object) -> None:
         if _in_backward():  # recomputation: backward frees the unit once its gradients are reduced
             return
+        if torch.is_grad_enabled():  # backward gathers the unit again when it reaches these outputs
+            on_first_grad(output, partial(self._pre_backward, unit))
         unit.forward_calls += 1
         if unit.forward_calls < len(unit.modules):
             return
@@ -300,7 +301,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
         if self._finished is not None and self._finished is not keep:
             self._reshard(self._finished)
 
-    def _pre_backward(self, unit: Unit, module: nn.Module, grad_output: tuple) -> None:
+    def _pre_backward(self, unit: Unit, grad: Tensor) -> None:
         self._queue_end_backward()
         nxt = self._next_in_order("backward", unit)
         self._gather(unit)
@@ -310,6 +311,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
     # -- gradients -----------------------------------------------------------------------------------
     @contextlib.contextmanager
     def backward_pass(self) -> Iterator[None]:
+        self.check_plan()
         self._launcher.reset()
         self._end_queued = False
         for unit in self.units:
@@ -317,9 +319,7 @@ class ShardedStrategy(DeferredGradScale, Strategy, ShardedInit):
             if unit.root:  # a pipeline runs forwards between backwards: the last backward's end freed it
                 self._gather(unit)
         self._order.restart("backward")
-        with warnings.catch_warnings():  # the first unit's inputs never require grad; its pre-hook still fires
-            warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
-            yield
+        yield
 
     def _queue_end_backward(self) -> None:
         if not self._end_queued:

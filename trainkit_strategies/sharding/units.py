@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import Tensor, nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
 
 from trainkit_strategies.comm import Handle
 from trainkit_strategies.flat import FlatBucket
@@ -156,3 +158,15 @@ def weakly(method: Callable[[Tensor], None]) -> Callable[[Tensor], None]:
 
     return hook
 
+
+
+def on_first_grad(output: object, fn: Callable[[Tensor], None]) -> None:
+    """Call ``fn`` once per backward, when the first gradient of ``output``'s tensors arrives: hooks on the tensors
+    (as FSDP2's pre-backward), not a module's full backward pre-hook. That one hands the module's outputs (and inputs)
+    on as views made by a custom Function, which an in-place op after the module may not modify
+    (``nn.LeakyReLU(inplace=True)`` after a unit failed with "Output 0 of BackwardHookFunction is a view and is being
+    modified inplace"); a tensor's hook stays with the value it was registered on when an in-place op follows, and
+    still fires before the module's own backward."""
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
+    if tensors:
+        register_multi_grad_hook(tensors, fn, mode="any")
