@@ -107,20 +107,6 @@ class Strategy(Ranks, GradientParts, Checkpointing, Planning, ABC):
         if optimizer is not None:
             self._group_names = st.group_names_of(optimizer, st.param_names(module))
 
-    def refresh_groups(self) -> None:
-        """Record the optimizer's param groups as they are now, by parameter name: a group added during training
-        (``optimizer.add_param_group`` in a callback, as Lightning's ``BaseFinetuning.unfreeze_and_add_param_group``
-        does) is then saved in checkpoints with the others, and re-created when one is loaded. The strategy calls it
-        where it reads the groups (a save, a load); a strategy that planned buckets by the groups refuses
-        (``master.FixedGroups``)."""
-        if self.optimizer is not None and self.module is not None:
-            self._group_names = st.group_names_of(self.optimizer, st.param_names(self.module))
-
-    def _groups_changed(self) -> bool:
-        """Whether the optimizer has more (or fewer) param groups than were recorded. Their number, not their tensors:
-        a sharding strategy re-targets each group onto its pieces, keeping the groups."""
-        return self.optimizer is not None and len(self.optimizer.param_groups) != len(self._group_names)
-
     def _place(self, module: nn.Module) -> None:
         """Move what ``module`` holds that is not on the device yet there (parameters, buffers, and what a module's
         own ``_apply`` moves, such as torchmetrics states), cast to the policy's parameter dtype. A sharding

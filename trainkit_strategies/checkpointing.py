@@ -25,6 +25,20 @@ class Checkpointing:
     optimizer: Optimizer | None
     _group_names: list[list[str]]
 
+    def refresh_groups(self) -> None:
+        """Record the optimizer's param groups as they are now, by parameter name: a group added during training
+        (``optimizer.add_param_group`` in a callback, as Lightning's ``BaseFinetuning.unfreeze_and_add_param_group``
+        does) is then saved in checkpoints with the others, and re-created when one is loaded. The strategy calls it
+        where it reads the groups (a save, a load); a strategy that planned buckets by the groups refuses
+        (``master.FixedGroups``)."""
+        if self.optimizer is not None and self.module is not None:
+            self._group_names = st.group_names_of(self.optimizer, st.param_names(self.module))
+
+    def _groups_changed(self) -> bool:
+        """Whether the optimizer has more (or fewer) param groups than were recorded. Their number, not their tensors:
+        a sharding strategy re-targets each group onto its pieces, keeping the groups."""
+        return self.optimizer is not None and len(self.optimizer.param_groups) != len(self._group_names)
+
     def state_layout(self) -> st.StateLayout:
         """Describe the model and optimizer state this rank holds (replicated: everything, whole)."""
         if self._groups_changed():
