@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import warnings
 from typing import Any
 
 import pytest
@@ -232,3 +233,34 @@ def test_ckpt_path_best_when_the_monitored_metric_was_never_logged_names_it(tmp_
                                                  r"no checkpoint in .*checkpoints: the metric was never logged at a "
                                                  r"save\. Log it where checkpoints are saved"):
         trainer.validate(module, loader(regression_data(8), 8), ckpt_path="best")
+
+
+def test_validate_test_and_predict_without_a_model_run_the_module_of_the_last_fit(tmp_path, capsys):
+    """Lightning's ``trainer.test(ckpt_path="best")`` after ``trainer.fit(model)``: no model means the fitted one; with
+    no ``ckpt_path`` either, its best checkpoint, with Lightning's warning. A Trainer that has run nothing names the
+    fix."""
+    module, trainer = _fit_scored(tmp_path)
+    assert trainer.lightning_module is module
+    best, data = tmp_path / "checkpoints" / "epoch=1-step=4", loader(regression_data(8), 8)
+    x = regression_data(8).tensors[0]
+    for stage in (trainer.validate, trainer.test, trainer.predict):
+        module.load_state_dict(module.at_epoch[2])  # the last epoch's weights, which are not the best
+        with pytest.warns(UserWarning, match=rf"`.{stage.__name__}\(ckpt_path=None\)` was called without a model: the "
+                                             "best checkpoint of the previous fit is used"):
+            out = stage(dataloaders=data)
+        assert f"Restored {best}." in capsys.readouterr().out
+        for name, want in module.at_epoch[1].items():
+            assert torch.equal(module.state_dict()[name], want), name
+    with torch.no_grad():
+        torch.testing.assert_close(out[0], module(x), rtol=0, atol=0)
+    module.load_state_dict(module.at_epoch[2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a ckpt_path given: no warning
+        trainer.test(dataloaders=data, ckpt_path="last")
+    assert f"Restored {tmp_path / 'checkpoints' / 'epoch=2-step=6'}." in capsys.readouterr().out
+    with pytest.raises(TypeError, match=r"Trainer.test\(\) was given no model and this Trainer has run none: pass the "
+                                        r"module, or fit it first .*: trainer.test\(model, \.\.\.\)\."):
+        quiet_trainer(tmp_path / "fresh").test(dataloaders=data)
+    with pytest.raises(TypeError, match=r"Trainer.fit\(\) was given no model and this Trainer has run none: pass the "
+                                        r"module: trainer.fit\(model, \.\.\.\)\."):
+        quiet_trainer(tmp_path / "fresh").fit(None)
