@@ -166,5 +166,5 @@ def test_ckpt_path_best_with_nothing_monitored_is_one_error_block(tmp_path, caps
                    "false", "--data.train_sequences", "64", "--data.val_sequences", "16", *QUIET])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.splitlines()
-    assert err[-2].startswith('trainkit: error: ckpt_path="best" needs checkpoints ranked by a monitored metric')
+    assert err[-2].startswith('trainkit: error: ckpt_path="best" needs checkpoints written by a ModelCheckpoint')
     assert err[-1] == "Run `trainkit validate --help` for the accepted options."

@@ -214,14 +214,19 @@ def test_ckpt_path_best_in_a_new_trainer_reads_the_best_from_the_run_s_newest_ch
     assert f"Restored {tmp_path / 'checkpoints' / 'epoch=1-step=4'}." in capsys.readouterr().out
 
 
-def test_ckpt_path_best_without_a_monitor_names_the_fix(tmp_path):
+def test_ckpt_path_best_without_a_monitor_is_the_newest_and_with_no_checkpoint_names_the_fix(tmp_path, capsys):
+    """Lightning's ModelCheckpoint without a monitor keeps the newest as its ``best_model_path``: so does this one, in
+    the fitting process and, from the newest checkpoint's record, in a new Trainer."""
     module, trainer = _fit_scored(tmp_path, monitor=None)
-    message = (r'ckpt_path="best" needs checkpoints ranked by a monitored metric, and .*checkpoints holds none written '
-               r'by a ModelCheckpoint with monitor= set\. Fit with one \(ModelCheckpoint\(monitor="val_loss"\); on the '
-               r"command line --trainer.callbacks\+=ModelCheckpoint --trainer.callbacks.monitor val_loss\), or pass "
-               r'ckpt_path="last" or a checkpoint directory\.')
-    with pytest.raises(ConfigurationError, match=message):
-        trainer.validate(module, loader(regression_data(8), 8), ckpt_path="best")
+    newest = tmp_path / "checkpoints" / "epoch=2-step=6"
+    assert trainer.checkpoint_callback.best_model_path == newest
+    for fresh in (trainer, quiet_trainer(tmp_path, enable_checkpointing=True)):
+        fresh.validate(module, loader(regression_data(8), 8), ckpt_path="best")
+        assert f"Restored {newest}." in capsys.readouterr().out
+    message = (r'ckpt_path="best" needs checkpoints written by a ModelCheckpoint, and .*elsewhere.checkpoints holds '
+               r"none\. Fit first \(the default ModelCheckpoint keeps the newest; ModelCheckpoint\(monitor="
+               r'"val_loss"\) the best by val_loss; on the command line --trainer.callbacks\+=ModelCheckpoint '
+               r'--trainer.callbacks.monitor val_loss\), or pass ckpt_path="last" or a checkpoint directory\.')
     with pytest.raises(ConfigurationError, match=message):  # nothing fitted at all
         quiet_trainer(tmp_path / "elsewhere").validate(module, loader(regression_data(8), 8), ckpt_path="best")
 
