@@ -10,7 +10,9 @@ checkpoint's model to safetensors. In your own script::
     TrainkitCLI(MyModule)     # model fixed: its init arguments become --model.<arg> (main(MyModule) does the same)
 
 ``TrainkitCLI`` is Lightning's ``LightningCLI`` under trainkit's name: ``run=False``, ``trainer_defaults``,
-``add_arguments_to_parser`` (``parser.link_arguments``) and the ``before_<subcommand>`` hooks work as there.
+``seed_everything_default`` (``--seed_everything``), ``save_config_kwargs``, ``add_arguments_to_parser``
+(``parser.link_arguments``, ``parser.add_lightning_class_args``, ``parser.set_defaults``) and the hooks work as there.
+The parser and ``SaveConfigCallback`` are in ``cli_parser.py``.
 """
 
 from __future__ import annotations
