@@ -28,6 +28,7 @@ from trainkit.data import DataModule
 from trainkit.errors import ConfigurationError
 from trainkit.loggers import Logger, TensorBoardLogger
 from trainkit.loops import check_val_schedule
+from trainkit.module import TrainModule
 
 
 def check(args: Mapping[str, Any]) -> None:
@@ -132,6 +133,28 @@ def resolve_devices(devices: int | str | list[int], accelerator: str) -> int:
 def parse_max_time(max_time: str | timedelta | Mapping[str, int] | None) -> float | None:
     """``max_time`` in seconds (None: no limit), in any form Lightning's ``Timer`` takes (``parse_duration``)."""
     return None if max_time is None else parse_duration(max_time)
+
+
+def run_module(fn: str, model: Any, connected: TrainModule | None, ckpt_path: str | Path | None
+               ) -> tuple[TrainModule, str | Path | None]:
+    """The module a run uses, and its ``ckpt_path``. Lightning's ``model=None`` (``trainer.test(ckpt_path="best")``)
+    is the module of the trainer's last run (its fit's); with no ``ckpt_path`` either, Lightning 2.x loads the best
+    checkpoint of that fit and says so, and so does this."""
+    if model is None and fn != "fit" and connected is not None:
+        if ckpt_path is None:
+            rank_zero_warn(f"`.{fn}(ckpt_path=None)` was called without a model: the best checkpoint of the previous "
+                           f"fit is used. Pass `.{fn}(ckpt_path='best')` to use the best model or `.{fn}(ckpt_path="
+                           "'last')` to use the last one; a value silences this warning.")
+            ckpt_path = "best"
+        return connected, ckpt_path
+    if model is None:
+        fix = "pass the module" if fn == "fit" else "pass the module, or fit it first (with no model, validate, test " \
+            "and predict use the module of the trainer's last run, as Lightning's do)"
+        raise TypeError(f"Trainer.{fn}() was given no model and this Trainer has run none: {fix}: "
+                        f"trainer.{fn}(model, ...).")
+    if not isinstance(model, TrainModule):
+        raise TypeError(f"Trainer.{fn} needs a TrainModule; got {type(model).__name__}.")
+    return model, ckpt_path
 
 
 def split_datamodule(fn: str, train: Any, evaluation: Any, datamodule: DataModule | None

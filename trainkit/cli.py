@@ -10,19 +10,19 @@ checkpoint's model to safetensors. In your own script::
     TrainkitCLI(MyModule)     # model fixed: its init arguments become --model.<arg> (main(MyModule) does the same)
 
 ``TrainkitCLI`` is Lightning's ``LightningCLI`` under trainkit's name: ``run=False``, ``trainer_defaults``,
-``add_arguments_to_parser`` (``parser.link_arguments``) and the ``before_<subcommand>`` hooks work as there.
+``seed_everything_default`` (``--seed_everything``), ``save_config_kwargs``, ``add_arguments_to_parser``
+(``parser.link_arguments``, ``parser.add_lightning_class_args``, ``parser.set_defaults``) and the hooks work as there.
+The parser and ``SaveConfigCallback`` are in ``cli_parser.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-import os
-import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal
 
 import torch
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, lazy_instance
@@ -30,6 +30,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, lazy_insta
 from trainkit import arguments, launcher, resume
 from trainkit.callbacks.prediction_writer import PredictionWriter
 from trainkit.checkpoint import CheckpointError
+from trainkit.cli_parser import Parser, SaveConfigCallback
 from trainkit.data import DataModule
 from trainkit.demo.gpt import DemoGPT
 from trainkit.errors import ConfigurationError
@@ -59,44 +60,6 @@ DEMO_MODEL = "trainkit.demo.gpt.DemoGPT"
 DEMO_DATA = "trainkit.demo.markov.MarkovData"
 DEMO_TRAINER = {"max_steps": 2000, "val_check_interval": 500, "check_val_every_n_epoch": None,
                 "log_every_n_steps": 25, "seed": 0}
-
-
-class Parser(ArgumentParser):
-    """jsonargparse's parser, with errors as one short block: the error, which names the fix, and where to find the
-    accepted options (not the 40-line usage before them); printed by rank 0 alone when trainkit launched the ranks
-    (every rank parses the same command line and would say the same thing)."""
-
-    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
-        if not self.exit_on_error:
-            super().error(message, ex)
-        parser = getattr(ex, "subcommand_parser", None) or self
-        prog = parser.prog.replace(" [options]", "")
-        if not (os.environ.get("TRAINKIT_LAUNCHED") and os.environ.get("RANK", "0") != "0"):
-            sys.stderr.write(f"{prog.split()[0]}: error: {_essential(message)}\nRun `{prog} --help` for the "
-                             "accepted options.\n")
-        self.exit(2)
-
-
-def _essential(message: str) -> str:
-    """What of jsonargparse's message the user needs: for a value no alternative of a union accepts (a strategy's
-    option out of range, say), the reason the intended class gave, not the list of every alternative's."""
-    message = re.sub(r"\b(?:fit|validate|test|predict|estimate|export)\.([\w.]+)", r"--\1", message)  # as typed
-    if "Does not validate against any of the Union subtypes" not in message:
-        return message
-    key = message.split(":", 1)[0] + ": " if message.startswith("Parser key") else ""
-    reasons: list[list[str]] = []  # each alternative's reason: its bullet and the lines indented under it
-    depth = 0
-    for line in message.splitlines():
-        text = line.strip()
-        if text.startswith("- "):
-            depth = len(line) - len(line.lstrip())
-            reasons.append([text[2:]])
-        elif reasons and len(line) - len(line.lstrip()) > depth:
-            reasons[-1].append(text)
-        else:
-            depth = 1 << 30
-    chosen = [" ".join(r) for r in reasons if not r[0].startswith("Expected a")]
-    return key + chosen[0] if chosen else message
 
 
 def _subcommand_parser(name: str, model_class: type[TrainModule] | None,
@@ -257,18 +220,25 @@ def _demo_data_named(argv: list[str]) -> list[str]:
 
 
 def _instantiate(parser: ArgumentParser, cfg: Namespace, subcommand: str | None,
-                 callbacks: Sequence[Any] = ()) -> tuple[Trainer, TrainModule, Any]:
-    """The Trainer (with ``callbacks`` added to its own), model and data of ``cfg`` (of its ``subcommand``)."""
+                 callbacks: Sequence[Any] = ()) -> tuple[Trainer, TrainModule, Any, Namespace]:
+    """The Trainer, model, data and every instance (``config_init``) of ``cfg`` (of its ``subcommand``). The
+    Trainer's callbacks are the configured ones, then the instances of the parser's ``add_lightning_class_args``
+    Callback groups, then ``callbacks``: in Lightning's order."""
     sub_cfg = cfg[subcommand] if subcommand else cfg
+    if sub_cfg.get("seed_everything") not in (None, False):  # Lightning's: before the classes, True for the default
+        sub_cfg.seed_everything = seed_everything(None if sub_cfg.seed_everything is True else
+                                                  sub_cfg.seed_everything)  # config.yaml records the seed used
     model_cfg = sub_cfg.get("model")  # a fixed main(MyModule) has no class_path (nor a group without arguments)
     is_demo = isinstance(model_cfg, Namespace) and model_cfg.get("class_path") == DEMO_MODEL
     if is_demo and sub_cfg.get("data") is None:
         sub_cfg.data = Namespace(class_path=DEMO_DATA, init_args=Namespace())
     seed = sub_cfg.trainer.seed if sub_cfg.trainer.seed is not None else (DEMO_TRAINER["seed"] if is_demo else None)
     if seed is not None:
-        seed_everything(seed)  # before the model is built, so its initial weights follow the seed
-    init = parser.instantiate(cfg)
-    init = init[subcommand] if subcommand else init
+        seed_everything(seed)  # before the model is built (after --seed_everything): the weights follow this seed
+    config_init = parser.instantiate(cfg)
+    init = config_init[subcommand] if subcommand else config_init
+    own = parser._subcommands_action._name_parser_map[subcommand] if subcommand else parser
+    callbacks = [*(init[key] for key in getattr(own, "callback_keys", ())), *callbacks]
     model, data = init.model, init.data
     trainer_args = dict(init.trainer)
     if is_demo:
@@ -284,7 +254,7 @@ def _instantiate(parser: ArgumentParser, cfg: Namespace, subcommand: str | None,
     if callbacks:
         trainer_args["callbacks"] = [*(trainer_args.get("callbacks") or []), *callbacks]
     trainer = Trainer(**trainer_args)
-    return trainer, model, data
+    return trainer, model, data, config_init
 
 
 class TrainkitCLI:
@@ -294,26 +264,36 @@ class TrainkitCLI:
 
     Args:
         model_class, datamodule_class: the classes, or None for ``--model CLASS`` / ``--data CLASS``.
-        save_config_callback: None (or False) writes no ``config.yaml`` into the log directory. (trainkit has no
-            ``SaveConfigCallback``: the command line writes the file itself.)
+        save_config_callback: the class that writes ``config.yaml`` into the log directory (``SaveConfigCallback``
+            or a subclass); None writes none.
+        save_config_kwargs: its keyword arguments: ``{"overwrite": True}`` replaces a file already there (an error
+            otherwise), ``{"config_filename": "run.yaml"}`` names the file.
         trainer_defaults: Trainer arguments' defaults (``{"max_epochs": 5}``), which flags and ``--config`` still
             override; its ``callbacks`` are added to every run's, as Lightning's "persistent callbacks" are.
+        seed_everything_default: the default of ``--seed_everything``, with which ``seed_everything`` seeds before
+            the model and data are built: an int; True (Lightning's default) for the seed a launching rank 0 set,
+            else 0; False seeds nothing (``--trainer.seed``, when set, seeds after it either way).
         args: the arguments (default: the command line's), a list as ``sys.argv[1:]`` holds them.
         run: True parses ``fit|validate|test|predict|estimate|export ...`` and runs it; False takes no subcommand
             (``--trainer.*``, ``--model.*``, ``--data.*``, ``--config``), builds ``self.trainer``, ``self.model`` and
             ``self.datamodule``, and runs nothing: ``cli.trainer.fit(cli.model, datamodule=cli.datamodule)`` next.
 
     Override ``add_arguments_to_parser(parser)`` to add arguments or link them (``parser.link_arguments(
-    "data.batch_size", "model.batch_size")``: set once, given to both), ``before_instantiate_classes()``, and
+    "data.batch_size", "model.batch_size")``: set once, given to both; ``parser.add_lightning_class_args(MyCallback,
+    "my")``: ``--my.<arg>`` flags and the callback in the Trainer's; ``parser.set_defaults``),
+    ``before_instantiate_classes()``, ``after_instantiate_classes()`` (``self.config_init`` holds every instance), and
     ``before_<subcommand>()`` / ``after_<subcommand>()`` (``before_fit``, ...) to run code around a subcommand.
     """
 
     def __init__(self, model_class: type[TrainModule] | None = None, datamodule_class: type[DataModule] | None = None,
-                 save_config_callback: Any = True, trainer_defaults: dict[str, Any] | None = None,
-                 args: Sequence[str] | None = None, run: bool = True) -> None:
+                 save_config_callback: type[SaveConfigCallback] | None = SaveConfigCallback,
+                 save_config_kwargs: dict[str, Any] | None = None, trainer_defaults: dict[str, Any] | None = None,
+                 seed_everything_default: bool | int = True, args: Sequence[str] | None = None,
+                 run: bool = True) -> None:
         self.model_class, self.datamodule_class = model_class, datamodule_class
-        self.save_config = save_config_callback not in (None, False)
+        self.save_config_callback, self.save_config_kwargs = save_config_callback, dict(save_config_kwargs or {})
         self.trainer_defaults = dict(trainer_defaults or {})
+        self.seed_everything_default = seed_everything_default
         self.subcommand: str | None = None
         self.trainer: Trainer | None = None
         self.model: TrainModule | None = None
@@ -333,10 +313,11 @@ class TrainkitCLI:
                                              argv)
         self.before_instantiate_classes()
         try:
-            self.trainer, self.model, self.datamodule = _instantiate(self.parser, self.config, None,
-                                                                     self._persistent_callbacks())
+            self.trainer, self.model, self.datamodule, self.config_init = _instantiate(
+                self.parser, self.config, None, self._persistent_callbacks(self.parser, self.config))
         except (ValueError, TypeError, KeyError, RuntimeError) as err:
             self.parser.error(str(err))
+        self.after_instantiate_classes()
 
     # -- what a subclass overrides, as in Lightning -------------------------------------------------
     def add_arguments_to_parser(self, parser: ArgumentParser) -> None:
@@ -346,16 +327,26 @@ class TrainkitCLI:
     def before_instantiate_classes(self) -> None:
         """Runs after parsing (``self.config``), before the model, data and Trainer are built."""
 
+    def after_instantiate_classes(self) -> None:
+        """Runs once ``self.trainer``, ``self.model``, ``self.datamodule`` and ``self.config_init`` are built."""
+
     # -- the command line ----------------------------------------------------------------------------
     def _configure(self, parser: ArgumentParser) -> None:
+        parser.add_argument("--seed_everything", type=bool | int, default=self.seed_everything_default,
+                            help="Seed python, numpy and torch with this int before the model and data are built; "
+                                 "true: the seed a launching rank 0 set, else 0; false: no seeding.")
         defaults = {f"trainer.{k}": v for k, v in self.trainer_defaults.items() if k != "callbacks"}
         if defaults:
             parser.set_defaults(defaults)
         self.add_arguments_to_parser(parser)
 
-    def _persistent_callbacks(self) -> list[Any]:
+    def _persistent_callbacks(self, parser: ArgumentParser, config: Namespace) -> list[Any]:
+        """``trainer_defaults``' callbacks and the one that saves ``config`` (what ``parser`` parsed)."""
         value = self.trainer_defaults.get("callbacks") or []
-        return list(value) if isinstance(value, Sequence) else [value]
+        callbacks = list(value) if isinstance(value, Sequence) else [value]
+        if self.save_config_callback:
+            callbacks.append(self.save_config_callback(parser, config, **self.save_config_kwargs))
+        return callbacks
 
     def _run_command(self, given: list[str]) -> None:
         parser = self.parser
@@ -376,13 +367,12 @@ class TrainkitCLI:
             return
         self.before_instantiate_classes()
         try:
-            self.trainer, self.model, self.datamodule = _instantiate(parser, cfg, subcommand,
-                                                                     self._persistent_callbacks())
+            self.trainer, self.model, self.datamodule, self.config_init = _instantiate(
+                parser, cfg, subcommand, self._persistent_callbacks(sub_parser, cfg[subcommand]))
         except (ValueError, TypeError, KeyError, RuntimeError) as err:
             sub_parser.error(str(err))
+        self.after_instantiate_classes()
         trainer = self.trainer
-        if self.save_config:
-            _save_config(trainer, sub_parser, cfg[subcommand])
         if subcommand == "predict":
             output = cfg[subcommand].output
             trainer.callbacks.append(PredictionWriter(output if output is not None else
@@ -437,13 +427,6 @@ def main(model_class: type[TrainModule] | None = None, datamodule_class: type[Da
          args: Sequence[str] | None = None) -> None:
     """Parse ``args`` (default: the command line) and run the chosen subcommand: ``TrainkitCLI`` with its defaults."""
     TrainkitCLI(model_class, datamodule_class, args=args)
-
-
-def _save_config(trainer: Trainer, parser: ArgumentParser, cfg: Namespace) -> None:
-    if trainer.is_global_zero and trainer.logger is not None:
-        log_dir = trainer.logger.log_dir
-        log_dir.mkdir(parents=True, exist_ok=True)
-        (log_dir / "config.yaml").write_text(parser.dump(cfg, skip_unset=False, skip_validation=True))
 
 
 def command() -> None:

@@ -9,7 +9,7 @@ batch one process with batch ``W*b`` would see, which is what makes strategy par
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -56,6 +56,10 @@ def check_batch_size(batch_size: int) -> int:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigurationError(f"batch_size must be >= 1 (the samples in one rank's batch); got {batch_size!r}.")
     return batch_size
+
+
+# What validate, test and predict take as their loaders (a DataModule there is the datamodule, as in Lightning).
+EvalLoaders = DataLoader | Sequence[DataLoader] | DataModule | None
 
 
 class ResumableSampler(Sampler[int]):

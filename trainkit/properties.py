@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from trainkit.callbacks.base import Callback
     from trainkit.evaluation import EvalLoop
     from trainkit.loops import FitLoop, Progress
+    from trainkit.module import TrainModule
     from trainkit.optim import OptimizerConfig, SchedulerConfig
     from trainkit.results import Results
     from trainkit_strategies import DynamicLossScaler, Environment, Precision, Strategy
@@ -25,6 +26,7 @@ class TrainerProperties:
     """Read-only views of a Trainer's state (and ``should_stop``, which callbacks set)."""
 
     strategy: Strategy
+    module: TrainModule | None
     precision: Precision
     env: Environment
     progress: Progress
@@ -69,6 +71,11 @@ class TrainerProperties:
     def accumulating(self) -> bool:
         """True between the micro-batches of one optimizer step (an accumulation window is open)."""
         return self.fit_loop is not None and self.fit_loop.step.window > 0
+
+    @property
+    def lightning_module(self) -> TrainModule | None:
+        """The module of the current run, or of the last one (Lightning's name; what ``test()`` with no model runs)."""
+        return self.module
 
     @property
     def global_rank(self) -> int:

@@ -166,28 +166,28 @@ def resolve(checkpoint_dir: Path, ckpt_path: str | Path, callback: ModelCheckpoi
 
 def best_checkpoint(callback: ModelCheckpoint | None, checkpoint_dir: Path) -> Path:
     """What ``ckpt_path="best"`` names: the best checkpoint ``callback`` ranked in this process (Lightning's
-    ``best_model_path``) or, where it has ranked none (a new process: ``trainkit validate --ckpt_path best``), the
-    best that the newest checkpoint in ``checkpoint_dir`` (or its versions) records of the monitored
-    ``ModelCheckpoint`` that wrote it, beside it."""
+    ``best_model_path``: without a monitor, the newest it saved) or, where it has saved none (a new process: ``trainkit
+    validate --ckpt_path best``), the best that the newest checkpoint in ``checkpoint_dir`` (or its versions) records
+    of a ``ModelCheckpoint`` that wrote it, beside it: a monitored one's first."""
     if callback is not None and callback.best_model_path is not None:
         return callback.best_model_path
     found = newest(checkpoint_dir)
     records = ckpt.read_meta(found).get("callbacks") or {} if found is not None else {}
-    monitored = [r for r in records.values() if isinstance(r, dict) and r.get("monitor") and "saved" in r]
+    kept = [r for r in records.values() if isinstance(r, dict) and "saved" in r and "monitor" in r]
     wanted = callback.monitor if callback is not None else None
-    monitored.sort(key=lambda r: r["monitor"] != wanted)  # the Trainer's own ModelCheckpoint's record first
-    if not monitored:
+    kept.sort(key=lambda r: (not r["monitor"], r["monitor"] != wanted))  # the Trainer's own monitor's record first
+    if not kept:
         raise ConfigurationError(
-            f'ckpt_path="best" needs checkpoints ranked by a monitored metric, and {checkpoint_dir} holds none written '
-            'by a ModelCheckpoint with monitor= set. Fit with one (ModelCheckpoint(monitor="val_loss"); on the command '
-            "line --trainer.callbacks+=ModelCheckpoint --trainer.callbacks.monitor val_loss), or pass "
-            'ckpt_path="last" or a checkpoint directory.')
+            f'ckpt_path="best" needs checkpoints written by a ModelCheckpoint, and {checkpoint_dir} holds none. Fit '
+            'first (the default ModelCheckpoint keeps the newest; ModelCheckpoint(monitor="val_loss") the best by '
+            "val_loss; on the command line --trainer.callbacks+=ModelCheckpoint --trainer.callbacks.monitor "
+            'val_loss), or pass ckpt_path="last" or a checkpoint directory.')
     assert found is not None
-    for record in monitored:
-        best = best_of(record["saved"], record.get("mode", "min"))
+    for record in kept:
+        best = best_of(record["saved"], record.get("mode", "min"), bool(record["monitor"]))
         if best is not None:
             return found.parent / best["name"]
-    names = " or ".join(sorted({repr(r["monitor"]) for r in monitored}))
+    names = " or ".join(sorted({repr(r["monitor"]) for r in kept}))
     raise ConfigurationError(f'ckpt_path="best": the ModelCheckpoint monitoring {names} ranked no checkpoint in '
                              f"{found.parent}: the metric was never logged at a save. Log it where checkpoints are "
                              'saved (in validation_step, say), or pass ckpt_path="last".')

@@ -11,8 +11,12 @@ import numpy as np
 import torch
 
 
-def seed_everything(seed: int) -> int:
-    """Seed python, numpy and torch (all devices); also exported as TRAINKIT_SEED for worker processes."""
+def seed_everything(seed: int | None = None) -> int:
+    """Seed python, numpy and torch (all devices); also exported as TRAINKIT_SEED for worker processes and the
+    ranks trainkit launches. ``None``, as in Lightning: TRAINKIT_SEED's seed (so a launched rank takes rank 0's),
+    else 0. Returns the seed."""
+    if seed is None:
+        seed = int(os.environ.get("TRAINKIT_SEED", "0"))
     if not 0 <= seed < 2**32:
         raise ValueError(f"seed must be in [0, 2**32); got {seed}.")
     os.environ["TRAINKIT_SEED"] = str(seed)

@@ -19,7 +19,7 @@ from trainkit.callbacks.base import Callback
 from trainkit.callbacks.profiler import SimpleProfiler
 from trainkit.callbacks.progress import ProgressBar
 from trainkit.callbacks.timer import Timer
-from trainkit.data import DataConnector, DataModule
+from trainkit.data import DataConnector, DataModule, EvalLoaders
 from trainkit.dispatch import HookDispatch
 from trainkit.estimate import parse_bytes
 from trainkit.evaluation import EvalLoop
@@ -260,34 +260,35 @@ class Trainer(TrainerProperties):
     # -- entry points -----------------------------------------------------------------------------
     def fit(
         self,
-        module: TrainModule,
+        model: TrainModule,
         train_dataloaders: DataLoader | DataModule | None = None,
         val_dataloaders: DataLoader | Sequence[DataLoader] | None = None,
         datamodule: DataModule | None = None,
         ckpt_path: str | Path | None = None,
     ) -> None:
-        """Train ``module``; ``ckpt_path`` (a checkpoint, or "last") resumes a run exactly where it stopped."""
-        self._run("fit", module, datamodule, ckpt_path, train=train_dataloaders, evaluation=val_dataloaders)
+        """Train ``model``; ``ckpt_path`` (a checkpoint, or "last") resumes a run exactly where it stopped."""
+        self._run("fit", model, datamodule, ckpt_path, train=train_dataloaders, evaluation=val_dataloaders)
 
     def validate(
-        self, module: TrainModule, dataloaders: DataLoader | Sequence[DataLoader] | DataModule | None = None,
+        self, model: TrainModule | None = None, dataloaders: EvalLoaders = None,
         datamodule: DataModule | None = None, ckpt_path: str | Path | None = None, verbose: bool = True,
     ) -> list[dict[str, float]]:
-        """Run the validation loop once; ``verbose`` prints the results on rank 0."""
-        return self._run("validate", module, datamodule, ckpt_path, evaluation=dataloaders, verbose=verbose)
+        """Run the validation loop once (``model=None``: the last run's module); ``verbose`` prints the results."""
+        return self._run("validate", model, datamodule, ckpt_path, evaluation=dataloaders, verbose=verbose)
 
     def test(
-        self, module: TrainModule, dataloaders: DataLoader | Sequence[DataLoader] | DataModule | None = None,
+        self, model: TrainModule | None = None, dataloaders: EvalLoaders = None,
         datamodule: DataModule | None = None, ckpt_path: str | Path | None = None, verbose: bool = True,
     ) -> list[dict[str, float]]:
-        """Run the test loop once; ``verbose`` prints the results on rank 0."""
-        return self._run("test", module, datamodule, ckpt_path, evaluation=dataloaders, verbose=verbose)
+        """Run the test loop once (``model=None``: the last run's module); ``verbose`` prints the results."""
+        return self._run("test", model, datamodule, ckpt_path, evaluation=dataloaders, verbose=verbose)
 
     def predict(
-        self, module: TrainModule, dataloaders: DataLoader | Sequence[DataLoader] | DataModule | None = None,
+        self, model: TrainModule | None = None, dataloaders: EvalLoaders = None,
         datamodule: DataModule | None = None, ckpt_path: str | Path | None = None,
     ) -> list[Any]:
-        return self._run("predict", module, datamodule, ckpt_path, evaluation=dataloaders)
+        """Every ``predict_step`` output, in order (``model=None``: the last run's module)."""
+        return self._run("predict", model, datamodule, ckpt_path, evaluation=dataloaders)
 
     def save_checkpoint(self, dirpath: str | Path, name: str, update_latest: bool = True, async_save: bool = False,
                         on_commit: Callable[[Path], None] | None = None) -> Path:
@@ -337,10 +338,9 @@ class Trainer(TrainerProperties):
                           self.log_every_n_steps, self.seed or 0, self.min_epochs, self.min_steps,
                           self.reload_dataloaders_every_n_epochs, self.inference_mode)
 
-    def _run(self, fn: str, module: TrainModule, datamodule: DataModule | None, ckpt_path: str | Path | None,
+    def _run(self, fn: str, model: TrainModule | None, datamodule: DataModule | None, ckpt_path: str | Path | None,
              train: Any = None, evaluation: Any = None, verbose: bool = False) -> Any:
-        if not isinstance(module, TrainModule):
-            raise TypeError(f"Trainer.{fn} needs a TrainModule; got {type(module).__name__}.")
+        module, ckpt_path = arguments.run_module(fn, model, self.module, ckpt_path)
         train, evaluation, datamodule = arguments.split_datamodule(fn, train, evaluation, datamodule)
         self.state, self.module, self.datamodule = fn, module, datamodule
         self.should_stop = False

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from tests.e2e.cli_runs import ROOT, fit
 from tests.helpers import Recorder, Regression, regression_data
+from trainkit.callbacks import Callback
 from trainkit.checkpoint import CheckpointReader, latest
 from trainkit.cli import TrainkitCLI, main
 from trainkit.data import DataModule
@@ -83,6 +84,126 @@ def test_a_linked_target_is_no_flag_and_save_config_callback_none_writes_no_conf
                 args=["fit", "--trainer.max_steps", "1", "--trainer.default_root_dir", str(tmp_path), *QUIET])
     assert (tmp_path / "runs" / "trainkit" / "version_0").is_dir()
     assert not (tmp_path / "runs" / "trainkit" / "version_0" / "config.yaml").exists()
+
+
+class Drawn(BatchModel):
+    """Draws from the global random state as it is built (before its network, which seeds itself): what it drew
+    says which seed was set before."""
+
+    def __init__(self, batch_size: int = 4, lr: float = 1e-2) -> None:
+        drawn = torch.randn(3)
+        super().__init__(batch_size=batch_size, lr=lr)
+        self.drawn = drawn
+
+
+def _drawn_after(seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return torch.randn(3)
+
+
+def test_seed_everything_seeds_before_the_model_is_built_and_the_config_records_the_seed(tmp_path, monkeypatch):
+    """Lightning's ``seed_everything_default`` and ``--seed_everything``: an int; True (the default) for the seed a
+    launching rank 0 exported, else 0; false for none."""
+    monkeypatch.delenv("TRAINKIT_SEED", raising=False)
+    args = ["--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "false", *QUIET]
+    cli = TrainkitCLI(Drawn, BatchData, run=False, seed_everything_default=1234, args=args)
+    assert torch.equal(cli.model.drawn, _drawn_after(1234)) and cli.config.seed_everything == 1234
+    cli = TrainkitCLI(Drawn, BatchData, run=False, seed_everything_default=1234, args=[*args, "--seed_everything", "7"])
+    assert torch.equal(cli.model.drawn, _drawn_after(7))
+    monkeypatch.delenv("TRAINKIT_SEED")
+    cli = TrainkitCLI(Drawn, BatchData, run=False, args=args)  # True: no seed exported, so 0, as Lightning's
+    assert torch.equal(cli.model.drawn, _drawn_after(0)) and cli.config.seed_everything == 0
+    monkeypatch.setenv("TRAINKIT_SEED", "5")  # what a rank trainkit launched inherits from rank 0
+    cli = TrainkitCLI(Drawn, BatchData, run=False, args=args)
+    assert torch.equal(cli.model.drawn, _drawn_after(5)) and cli.config.seed_everything == 5
+    want = _drawn_after(99)
+    torch.manual_seed(99)
+    cli = TrainkitCLI(Drawn, BatchData, run=False, args=[*args, "--seed_everything", "false"])
+    assert torch.equal(cli.model.drawn, want) and cli.config.seed_everything is False
+    TrainkitCLI(Drawn, BatchData, seed_everything_default=3,
+                args=["fit", "--trainer.max_steps", "1", "--trainer.default_root_dir", str(tmp_path), *QUIET])
+    saved = (tmp_path / "runs" / "trainkit" / "version_0" / "config.yaml").read_text()
+    assert "\nseed_everything: 3\n" in saved
+
+
+FIXED_LOG = ["--trainer.logger", "trainkit.loggers.TensorBoardLogger", "--trainer.logger.version", "run"]
+
+
+def test_save_config_kwargs_overwrite_and_the_file_name(tmp_path, capsys):
+    """A configuration already in the log directory is Lightning's error, which names save_config_kwargs; with
+    ``{"overwrite": True}`` the file is replaced. ``run=False`` writes it when the first run sets up, once."""
+    root = ["--trainer.default_root_dir", str(tmp_path), "--trainer.logger.root_dir", str(tmp_path / "runs"), *QUIET]
+    TrainkitCLI(BatchModel, BatchData, args=["fit", "--trainer.max_steps", "1", *FIXED_LOG, *root])
+    config = tmp_path / "runs" / "trainkit" / "run" / "config.yaml"
+    assert "max_steps: 1\n" in config.read_text()
+    with pytest.raises(SystemExit) as exit_info:
+        TrainkitCLI(BatchModel, BatchData, args=["fit", "--trainer.max_steps", "2", *FIXED_LOG, *root])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert (f"trainkit: error: {config} exists (a previous run's configuration), and SaveConfigCallback does not "
+            'overwrite it: delete it, pass save_config_kwargs={"overwrite": True} to TrainkitCLI to overwrite it, or '
+            "save_config_callback=None to write none.") in err
+    cli = TrainkitCLI(BatchModel, BatchData, run=False, save_config_kwargs={"overwrite": True},
+                      args=["--trainer.max_steps", "3", *FIXED_LOG, *root])
+    assert "max_steps: 1\n" in config.read_text()  # nothing ran yet
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert "max_steps: 3\n" in config.read_text()
+    config.unlink()
+    cli.trainer.validate(cli.model, DataLoader(regression_data(8), batch_size=4))  # written at the first run only
+    assert not config.exists()
+    TrainkitCLI(BatchModel, BatchData, save_config_kwargs={"config_filename": "run.yaml"},
+                args=["fit", "--trainer.max_steps", "1", "--trainer.default_root_dir", str(tmp_path), *QUIET])
+    assert (tmp_path / "runs" / "trainkit" / "version_0" / "run.yaml").is_file()
+
+
+class Every(Callback):
+    """A callback with options of its own, counting the optimizer steps it sees."""
+
+    def __init__(self, every: int = 1, label: str = "none") -> None:
+        self.every, self.label, self.seen = every, label, 0
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.seen += 1
+
+
+class GroupCLI(TrainkitCLI):
+    """Lightning's finetuning example's shape: a callback's options as a group, linked into the model, and
+    defaults set by the parser."""
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_lightning_class_args(Every, "every")
+        parser.add_lightning_class_args(BatchData, "extra")  # not a callback: an instance in config_init
+        parser.link_arguments("every.every", "model.batch_size")
+        parser.set_defaults({"trainer.max_steps": 2, "every.label": "set_defaults"})
+
+
+def test_add_lightning_class_args_a_callback_joins_the_trainer_and_links_and_set_defaults_apply(tmp_path):
+    args = ["--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "false", *QUIET]
+    for run in (False, True):  # one parser, and each subcommand's
+        cli = GroupCLI(BatchModel, BatchData, run=run, trainer_defaults={"callbacks": [Recorder()]},
+                       args=[*(["fit"] if run else []), "--every.every", "6", "--extra.batch_size", "5", *args])
+        every = [c for c in cli.trainer.callbacks if isinstance(c, Every)]
+        assert len(every) == 1 and every[0].every == 6 and every[0].label == "set_defaults"
+        kinds = [type(c).__name__ for c in cli.trainer.callbacks[:3]]
+        assert kinds == ["Every", "Recorder", "SaveConfigCallback"]  # Lightning's order
+        assert cli.model.hparams.batch_size == 6 and cli.trainer.max_steps == 2
+        config_init = cli.config_init["fit"] if run else cli.config_init
+        assert isinstance(config_init.extra, BatchData) and config_init.extra.batch_size == 5
+        if not run:
+            cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+        assert every[0].seen == 2
+
+
+def test_add_lightning_class_args_of_another_class_names_add_class_arguments():
+    class Other(TrainkitCLI):
+        def add_arguments_to_parser(self, parser: Any) -> None:
+            parser.add_lightning_class_args(torch.nn.Linear, "linear")
+
+    with pytest.raises(TypeError, match=r"add_lightning_class_args takes a Trainer, TrainModule, DataModule or "
+                                        r"Callback class \(or a function returning one\); got <class 'torch.nn.modules"
+                                        r".linear.Linear'>\. Add other classes with parser.add_class_arguments\(cls, "
+                                        r"'linear'\)\."):
+        Other(BatchModel, BatchData, run=False, args=[])
 
 
 SAMPLES = 29  # not a multiple of 2 ranks x 4: uneven shares, and a DistributedSampler pads one sample
@@ -166,5 +287,5 @@ def test_ckpt_path_best_with_nothing_monitored_is_one_error_block(tmp_path, caps
                    "false", "--data.train_sequences", "64", "--data.val_sequences", "16", *QUIET])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.splitlines()
-    assert err[-2].startswith('trainkit: error: ckpt_path="best" needs checkpoints ranked by a monitored metric')
+    assert err[-2].startswith('trainkit: error: ckpt_path="best" needs checkpoints written by a ModelCheckpoint')
     assert err[-1] == "Run `trainkit validate --help` for the accepted options."

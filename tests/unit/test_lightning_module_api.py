@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import warnings
 from typing import Any
 
 import pytest
@@ -213,14 +214,19 @@ def test_ckpt_path_best_in_a_new_trainer_reads_the_best_from_the_run_s_newest_ch
     assert f"Restored {tmp_path / 'checkpoints' / 'epoch=1-step=4'}." in capsys.readouterr().out
 
 
-def test_ckpt_path_best_without_a_monitor_names_the_fix(tmp_path):
+def test_ckpt_path_best_without_a_monitor_is_the_newest_and_with_no_checkpoint_names_the_fix(tmp_path, capsys):
+    """Lightning's ModelCheckpoint without a monitor keeps the newest as its ``best_model_path``: so does this one, in
+    the fitting process and, from the newest checkpoint's record, in a new Trainer."""
     module, trainer = _fit_scored(tmp_path, monitor=None)
-    message = (r'ckpt_path="best" needs checkpoints ranked by a monitored metric, and .*checkpoints holds none written '
-               r'by a ModelCheckpoint with monitor= set\. Fit with one \(ModelCheckpoint\(monitor="val_loss"\); on the '
-               r"command line --trainer.callbacks\+=ModelCheckpoint --trainer.callbacks.monitor val_loss\), or pass "
-               r'ckpt_path="last" or a checkpoint directory\.')
-    with pytest.raises(ConfigurationError, match=message):
-        trainer.validate(module, loader(regression_data(8), 8), ckpt_path="best")
+    newest = tmp_path / "checkpoints" / "epoch=2-step=6"
+    assert trainer.checkpoint_callback.best_model_path == newest
+    for fresh in (trainer, quiet_trainer(tmp_path, enable_checkpointing=True)):
+        fresh.validate(module, loader(regression_data(8), 8), ckpt_path="best")
+        assert f"Restored {newest}." in capsys.readouterr().out
+    message = (r'ckpt_path="best" needs checkpoints written by a ModelCheckpoint, and .*elsewhere.checkpoints holds '
+               r"none\. Fit first \(the default ModelCheckpoint keeps the newest; ModelCheckpoint\(monitor="
+               r'"val_loss"\) the best by val_loss; on the command line --trainer.callbacks\+=ModelCheckpoint '
+               r'--trainer.callbacks.monitor val_loss\), or pass ckpt_path="last" or a checkpoint directory\.')
     with pytest.raises(ConfigurationError, match=message):  # nothing fitted at all
         quiet_trainer(tmp_path / "elsewhere").validate(module, loader(regression_data(8), 8), ckpt_path="best")
 
@@ -232,3 +238,34 @@ def test_ckpt_path_best_when_the_monitored_metric_was_never_logged_names_it(tmp_
                                                  r"no checkpoint in .*checkpoints: the metric was never logged at a "
                                                  r"save\. Log it where checkpoints are saved"):
         trainer.validate(module, loader(regression_data(8), 8), ckpt_path="best")
+
+
+def test_validate_test_and_predict_without_a_model_run_the_module_of_the_last_fit(tmp_path, capsys):
+    """Lightning's ``trainer.test(ckpt_path="best")`` after ``trainer.fit(model)``: no model means the fitted one; with
+    no ``ckpt_path`` either, its best checkpoint, with Lightning's warning. A Trainer that has run nothing names the
+    fix."""
+    module, trainer = _fit_scored(tmp_path)
+    assert trainer.lightning_module is module
+    best, data = tmp_path / "checkpoints" / "epoch=1-step=4", loader(regression_data(8), 8)
+    x = regression_data(8).tensors[0]
+    for stage in (trainer.validate, trainer.test, trainer.predict):
+        module.load_state_dict(module.at_epoch[2])  # the last epoch's weights, which are not the best
+        with pytest.warns(UserWarning, match=rf"`.{stage.__name__}\(ckpt_path=None\)` was called without a model: the "
+                                             "best checkpoint of the previous fit is used"):
+            out = stage(dataloaders=data)
+        assert f"Restored {best}." in capsys.readouterr().out
+        for name, want in module.at_epoch[1].items():
+            assert torch.equal(module.state_dict()[name], want), name
+    with torch.no_grad():
+        torch.testing.assert_close(out[0], module(x), rtol=0, atol=0)
+    module.load_state_dict(module.at_epoch[2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a ckpt_path given: no warning
+        trainer.test(dataloaders=data, ckpt_path="last")
+    assert f"Restored {tmp_path / 'checkpoints' / 'epoch=2-step=6'}." in capsys.readouterr().out
+    with pytest.raises(TypeError, match=r"Trainer.test\(\) was given no model and this Trainer has run none: pass the "
+                                        r"module, or fit it first .*: trainer.test\(model, \.\.\.\)\."):
+        quiet_trainer(tmp_path / "fresh").test(dataloaders=data)
+    with pytest.raises(TypeError, match=r"Trainer.fit\(\) was given no model and this Trainer has run none: pass the "
+                                        r"module: trainer.fit\(model, \.\.\.\)\."):
+        quiet_trainer(tmp_path / "fresh").fit(None)

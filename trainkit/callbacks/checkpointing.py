@@ -19,9 +19,11 @@ if TYPE_CHECKING:
     from trainkit.trainer import Trainer
 
 
-def best_of(saved: list[dict[str, Any]], mode: str) -> dict[str, Any] | None:
+def best_of(saved: list[dict[str, Any]], mode: str, monitored: bool = True) -> dict[str, Any] | None:
     """The entry of ``saved`` (``{"name", "step", "score"}`` each) with the best score by ``mode``; None if none has
-    one."""
+    one. Not ``monitored``, the newest, as Lightning's ``best_model_path`` of a ModelCheckpoint without a monitor."""
+    if not monitored:
+        return max(saved, key=lambda s: s["step"], default=None)
     scored = [s for s in saved if s["score"] is not None]
     if not scored:
         return None
@@ -34,8 +36,8 @@ class ModelCheckpoint(Callback):
     Args:
         dirpath: directory of checkpoints (default ``<default_root_dir>/checkpoints``). Its ``latest``
             pointer always names the newest checkpoint; ``ckpt_path="last"`` resumes from it, ``ckpt_path="best"``
-            loads the best by ``monitor`` (``best_model_path``, or, in a later process, the newest checkpoint's record
-            of it).
+            loads the best by ``monitor``, without one the newest this callback saved (``best_model_path``, or, in a
+            later process, the newest checkpoint's record of it).
         filename: name template; ``{epoch}``, ``{step}`` and logged metric names are filled in.
         monitor: metric to rank checkpoints by (None: rank by recency).
         mode: "min" or "max" for ``monitor``.
@@ -93,7 +95,7 @@ class ModelCheckpoint(Callback):
 
     @property
     def best(self) -> dict[str, Any] | None:
-        return best_of(self.saved, self.mode)
+        return best_of(self.saved, self.mode, self.monitor is not None)
 
     @property
     def best_model_path(self) -> Path | None:
