@@ -63,8 +63,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _meta_digest(meta: dict) -> str:
-    body = json.dumps({**meta, "meta_sha256": ""}, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(body.encode()).hexdigest()
+    plain = json.loads(json.dumps({**meta, "meta_sha256": ""}))  # as read back: integer keys (MultiStepLR's) as strings
+    return hashlib.sha256(json.dumps(plain, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _fsync_write(path: Path, text: str) -> None:

@@ -219,12 +219,6 @@ class FitLoop:
         return "max_time" if self._time_up else "should_stop"
 
     def run(self) -> None:
-        try:
-            self._run()
-        finally:
-            self.step.release()  # what the step hooked into the module comes off, however the fit ends
-
-    def _run(self) -> None:
         cap = steps_cap()
         if cap is not None:
             self.stop_at = self.progress.global_step + cap

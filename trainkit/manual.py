@@ -32,8 +32,10 @@ from trainkit.errors import ConfigurationError
 from trainkit.finite import FiniteGuard
 from trainkit.hooks import StepTiming
 from trainkit.optim import OptimizerConfig
+from trainkit.step import close_window
 from trainkit_strategies import Precision, Strategy
 from trainkit_strategies import state as st
+from trainkit_strategies.auxiliary import collecting
 from trainkit_strategies.capabilities import SelfReducing
 from trainkit_strategies.liveness import activity
 
@@ -101,6 +103,10 @@ class OptimizerSet(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for member in self.members:
             member.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise ConfigurationError("A param group cannot be added to several optimizers at once; trainkit takes groups "
+                                 "added during a run with one optimizer only. Give configure_optimizers every group.")
 
     def state_dict(self) -> dict[str, Any]:
         state, groups, offset = {}, [], 0
@@ -211,14 +217,20 @@ class ManualStep:
                         lambda _, i=index: self._pending.add(i)))
         self._toggled: dict[nn.Parameter, bool] = {}
         self.with_batch_idx = True  # training_step takes batch_idx (the fit loop asks once: ``takes_batch_idx``)
+        self._open = False  # a backward ran since the window's last step or zero_grad
+        self._groups = len(strategy.optimizer.param_groups) if strategy.optimizer is not None else 0
 
     # -- the loop's side -----------------------------------------------------------------------------
     def micro_step(self, module: nn.Module, batch: Any, batch_idx: int, boundary: bool) -> Any:
         start = time.perf_counter()
         self._taken, self._optimizer_s = 0, 0.0
         batch = self.strategy.local_batch(batch)
-        with self.strategy.forward_context():
+        with self.strategy.forward_context(), collecting() as auxiliary:
             outputs = module.training_step(batch, batch_idx) if self.with_batch_idx else module.training_step(batch)
+        if auxiliary:
+            raise ConfigurationError(
+                f"{type(module).__name__}'s layers added auxiliary losses (a MoE's load-balancing terms), which only "
+                "automatic optimization adds to the loss it back-propagates: train it with automatic optimization.")
         self.window = 1 if self._pending else 0
         elapsed = time.perf_counter() - start
         self.timing = StepTiming(elapsed - self._optimizer_s, self._optimizer_s)
@@ -240,15 +252,20 @@ class ManualStep:
         self._hooks = []
 
     # -- the module's side ---------------------------------------------------------------------------
-    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+    def backward(self, loss: Tensor, gradient: Tensor | None = None, retain_graph: bool | None = None,
+                 create_graph: bool = False, **unknown: Any) -> None:
         """``manual_backward``: this rank's ``loss`` back-propagated (times the loss scale), with no communication;
-        the window's gradients are reduced when an optimizer steps."""
+        the window's gradients are reduced when an optimizer steps. ``Tensor.backward``'s arguments but ``inputs``."""
+        if unknown:
+            raise TypeError(f"manual_backward takes loss.backward's gradient, retain_graph and create_graph; got "
+                            f"{sorted(unknown)}.")
         for fn in self.hooks.fns("on_before_backward"):
             fn(loss)
         activity.enter("backward")
         scaled = loss * self.precision.loss_scale if self.precision.loss_scaling else loss
         with self.strategy.no_sync():
-            self.strategy.backward(scaled, *args)
+            self.strategy.backward(scaled, gradient, retain_graph, create_graph)
+        self._open = True
         for fn in self.hooks.fns("on_after_backward"):
             fn()
         self.last_loss = loss.detach()
@@ -261,8 +278,24 @@ class ManualStep:
         self._clip[index] = (value, algorithm)
 
     def zero(self, index: int) -> None:
+        """``opt.zero_grad()``: drop optimizer ``index``'s gradients of the open window (all of the window's when no
+        other optimizer holds any; a subset cannot be dropped from a window reduced as one, so that is refused)."""
         self._lost.discard(index)
-        self._pending.discard(index)
+        several = len(self.params_of) > 1
+        if several and index not in self._pending:
+            return
+        others = self._pending - {index}
+        if others:
+            raise ConfigurationError(
+                f"{_name(self.config.optimizers, index)}.zero_grad() while "
+                f"{', '.join(_name(self.config.optimizers, i) for i in sorted(others))} also hold gradients of this "
+                "window: trainkit reduces a window's gradients as one and cannot drop one optimizer's alone. Call "
+                "self.toggle_optimizer(opt) around each optimizer's backward and step, as Lightning's GAN example "
+                "does.")
+        if self._open:
+            self.strategy.zero_grad()
+        self._pending.clear()
+        self._open = False
 
     def close(self, index: int) -> None:
         """Optimizer ``index`` steps: reduce the window, unscale and check, clip, step it, release the window."""
@@ -283,32 +316,23 @@ class ManualStep:
                 "on_nonfinite='skip') would count. Call self.toggle_optimizer(opt) before the backward of each "
                 "optimizer's loss (and untoggle_optimizer after its step), as Lightning's GAN example does.")
         self._lost |= set(others)
-        strategy, guard = self.strategy, self.guard
+        if len(self.params_of) > 1 and len(self.strategy.optimizer.param_groups) != self._groups:
+            raise ConfigurationError(
+                "A param group was added to one of several optimizers (add_param_group, BaseFinetuning): trainkit "
+                "takes groups added during a run with one optimizer only. Give every group to configure_optimizers.")
         activity.enter("the optimizer step")
+        strategy, target = self.strategy, self.strategy.optimizer
         scale = 1.0 / strategy.item_ranks
-        strategy.reduce_gradients(scale / self.precision.loss_scale if self.precision.loss_scaling else scale)
-        skip, norm = self.precision.skips_step(strategy.grad_norm)
-        if skip:
-            guard.overflowed()
-        elif not guard.records:
-            norm = strategy.grad_norm() if norm is None else norm
-            skip = guard.skip_step(norm)
-        else:
-            guard.skips = 0
-        if not skip:
-            optimizer = self.config.optimizers[index]
-            for fn in self.hooks.fns("on_before_optimizer_step"):
-                fn(optimizer)
-            if clip is not None:
-                if clip[1] == "norm":
-                    norm = strategy.clip_grad_norm(clip[0], norm=norm)
-                else:
-                    strategy.clip_grad_value(clip[0])
-            guard.add_norm(norm)
-            target = strategy.optimizer
+        if self.precision.loss_scaling:
+            scale = scale / self.precision.loss_scale
+
+        def step() -> None:
             with target.only(index) if isinstance(target, OptimizerSet) else contextlib.nullcontext():
                 strategy.optimizer_step()
-        strategy.zero_grad()
+
+        close_window(strategy, self.precision, self.guard, self.hooks, scale, self.config.optimizers[index], clip, step,
+                     zero_hooks=False)
+        self._open = False
         self._pending.clear()
         self._taken += 1
         self._optimizer_s += time.perf_counter() - start

@@ -3,11 +3,13 @@ optimizers (``OneBitAdam``: 1-bit Adam with compressed communication, for the dd
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 
@@ -111,6 +113,10 @@ def _scheduler(spec: Any, monitor: str | None = None) -> SchedulerConfig:
 
 
 def _dict_entry(value: Mapping) -> tuple[Optimizer, list[SchedulerConfig]]:
+    unknown = sorted(set(value) - {"optimizer", "lr_scheduler", "monitor"})
+    if unknown:
+        rank_zero_warn(f"configure_optimizers returned a dict with keys {unknown}, which trainkit (like Lightning 2.x) "
+                       "does not use: only 'optimizer', 'lr_scheduler' and 'monitor' are read.")
     optimizer = value.get("optimizer")
     if not _is_optimizer(optimizer):
         raise ConfigurationError(f"The dict from configure_optimizers has {type(optimizer).__name__} under "
@@ -162,6 +168,12 @@ def _describe(value: Any) -> str:
 def _check(optimizers: list[Optimizer], schedulers: list[SchedulerConfig]) -> None:
     owner: dict[int, int] = {}
     for index, optimizer in enumerate(optimizers):
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+        if closure is not None and closure.default is inspect.Parameter.empty:
+            raise ConfigurationError(
+                f"{type(optimizer).__name__}.step needs a closure that it calls again and again (a line search), "
+                "which trainkit's strategies do not run: they reduce the gradients once before the step. Use an "
+                "optimizer that steps on the gradients it is given (SGD, Adam, AdamW, ...).")
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if owner.setdefault(id(param), index) != index:

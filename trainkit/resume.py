@@ -249,6 +249,8 @@ def _as_saved(saved: Any, current: Any) -> Any:
     now): JSON writes every key as a string and every mapping as a dict, and a scheduler's state has integer keys
     (MultiStepLR's ``milestones``, a Counter of epochs) that as strings never match, so the rate would stop
     decaying after a resume."""
+    if isinstance(saved, list) and isinstance(current, list | tuple) and len(saved) == len(current):
+        return [_as_saved(s, c) for s, c in zip(saved, current, strict=True)]  # several schedulers' states
     if not (isinstance(saved, dict) and isinstance(current, dict)):
         return saved
     keys = {str(k): k for k in current}

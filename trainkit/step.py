@@ -115,6 +115,8 @@ class OptimizerStep:
         early = capability(strategy, StepsInBackward)
         self._early = early if (early is not None and not precision.loss_scaling and config.gradient_clip_val is None
                                 and not hooks.fns("on_before_optimizer_step")) else None
+        clip = config.gradient_clip_val
+        self._clip = None if clip is None else (clip, config.gradient_clip_algorithm)
         self._schedule = capability(strategy, RunsSchedule)  # a pipeline's: forward and backward of a whole batch
         self._forward_backward = self._training_step if self._schedule is None else self._scheduled
         self.with_batch_idx = True  # training_step takes batch_idx (the fit loop asks once: ``takes_batch_idx``)
@@ -220,32 +222,8 @@ class OptimizerStep:
         scale, self._early_scale = self._early_scale, None
         if scale is None:
             scale = self._window_scale(count)
-        strategy.reduce_gradients(scale)
-        optimizer = strategy.optimizer
-        skip, norm = self.precision.skips_step(strategy.grad_norm)  # a global norm: every rank decides alike
-        guard = self.guard
-        if skip:
-            guard.overflowed()
-        elif not guard.records:  # on_nonfinite="skip"
-            norm = strategy.grad_norm() if norm is None else norm
-            skip = guard.skip_step(norm)
-        else:
-            guard.skips = 0
-        if not skip:
-            for fn in self.hooks.fns("on_before_optimizer_step"):
-                fn(optimizer)
-            clip = self.config.gradient_clip_val
-            if clip is not None:
-                if self.config.gradient_clip_algorithm == "norm":
-                    norm = strategy.clip_grad_norm(clip, norm=norm)
-                else:
-                    strategy.clip_grad_value(clip)
-            guard.add_norm(norm)
-            strategy.optimizer_step()
-        for fn in self.hooks.fns("on_before_zero_grad"):
-            fn(optimizer)
-        strategy.zero_grad()
-        return not skip
+        return close_window(strategy, self.precision, self.guard, self.hooks, scale, strategy.optimizer, self._clip,
+                            strategy.optimizer_step)
 
     def _window_scale(self, count: Any) -> Any:
         """``c / N`` for a window that counted ``count`` here (summed over the ranks where it must be), with the loss
@@ -273,6 +251,39 @@ class OptimizerStep:
                 cfg.scheduler.step(values[cfg.monitor])
             else:
                 cfg.scheduler.step()
+
+
+def close_window(strategy: Strategy, precision: Precision, guard: FiniteGuard, hooks: HookDispatch,
+                 scale: float | Tensor, optimizer: Any, clip: tuple[float, str] | None, step: Callable[[], None],
+                 zero_hooks: bool = True) -> bool:
+    """The boundary of a window, for both kinds of optimization: reduce the gradients (times ``scale``); under loss
+    scaling unscale-check them (a global norm: every rank decides alike), or under ``on_nonfinite="skip"`` check
+    their norm; ``on_before_optimizer_step``; clip (``(value, "norm" | "value")``); ``step``; the zero-grad hooks
+    (automatic optimization's) and ``strategy.zero_grad()``. Returns whether the step ran."""
+    strategy.reduce_gradients(scale)
+    skip, norm = precision.skips_step(strategy.grad_norm)
+    if skip:
+        guard.overflowed()
+    elif not guard.records:  # on_nonfinite="skip"
+        norm = strategy.grad_norm() if norm is None else norm
+        skip = guard.skip_step(norm)
+    else:
+        guard.skips = 0
+    if not skip:
+        for fn in hooks.fns("on_before_optimizer_step"):
+            fn(optimizer)
+        if clip is not None:
+            if clip[1] == "norm":
+                norm = strategy.clip_grad_norm(clip[0], norm=norm)
+            else:
+                strategy.clip_grad_value(clip[0])
+        guard.add_norm(norm)
+        step()
+    if zero_hooks:
+        for fn in hooks.fns("on_before_zero_grad"):
+            fn(optimizer)
+    strategy.zero_grad()
+    return not skip
 
 
 def _on_device(count: Any, device: torch.device) -> Tensor:

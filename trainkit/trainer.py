@@ -409,6 +409,8 @@ class Trainer(TrainerProperties):
             raise
         finally:
             failing = sys.exc_info()[0] is not None
+            if self.fit_loop is not None:  # what its step hooked into the module comes off, however the run ends
+                self.fit_loop.step.release()
             self.saving.signals.uninstall(clean=not failing)
             hooks("teardown", fn)
             if self.datamodule is not None:

@@ -132,11 +132,12 @@ class Strategy(Ranks, GradientParts, Checkpointing, Planning, ABC):
     def forward_context(self) -> contextlib.AbstractContextManager:
         return self.precision.forward_context(self.device)
 
-    def backward(self, loss: Tensor, gradient: Tensor | None = None) -> None:
-        """``loss.backward(gradient)`` (``gradient``: for a non-scalar output, as a pipeline stage has), inside
-        ``backward_pass``."""
+    def backward(self, loss: Tensor, gradient: Tensor | None = None, retain_graph: bool | None = None,
+                 create_graph: bool = False) -> None:
+        """``loss.backward(gradient, retain_graph, create_graph)`` (``gradient``: for a non-scalar output, as a pipeline
+        stage has), inside ``backward_pass``."""
         with self.backward_pass():
-            loss.backward(gradient)
+            loss.backward(gradient, retain_graph=retain_graph, create_graph=create_graph)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -41,8 +41,9 @@ class Wrapper(Strategy):
     def forward_context(self) -> contextlib.AbstractContextManager:
         return self.inner.forward_context()
 
-    def backward(self, loss: Tensor, gradient: Tensor | None = None) -> None:
-        self.inner.backward(loss, gradient)
+    def backward(self, loss: Tensor, gradient: Tensor | None = None, retain_graph: bool | None = None,
+                 create_graph: bool = False) -> None:
+        self.inner.backward(loss, gradient, retain_graph, create_graph)
 
     def backward_pass(self) -> contextlib.AbstractContextManager:
         return self.inner.backward_pass()

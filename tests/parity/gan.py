@@ -107,3 +107,38 @@ def train_plain(batches: int, batch_size: int, clip: float | None = None, lr: fl
         gen.requires_grad_(True)
         losses.append(torch.stack([g_loss.detach(), d_loss.detach()]))
     return losses
+
+
+class Dropped(tk.TrainModule):
+    """A backward whose gradients ``zero_grad()`` drops before the step: the first loss reaches both heads, the
+    second only ``b``, so ``a`` must not move (SGD, no momentum) and ``b`` steps on the second loss alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(DIM, 1), nn.Linear(DIM, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        real, _ = batch
+        self.manual_backward((self.a(real) + self.b(real)).square().mean())
+        opt.zero_grad()
+        self.manual_backward(self.b(real).square().mean())
+        opt.step()
+        opt.zero_grad()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def dropped_plain(batches: int, batch_size: int) -> dict[str, Tensor]:
+    module = Dropped()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    data = gan_data()
+    for i in range(batches):
+        real = data[i * batch_size : (i + 1) * batch_size][0]
+        module.b(real).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in module.named_parameters()}

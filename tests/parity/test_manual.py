@@ -20,10 +20,11 @@ import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
 from tests.helpers import accelerator_for
-from tests.parity.gan import GAN, gan_data, train_plain
+from tests.parity.gan import GAN, Dropped, dropped_plain, gan_data, train_plain
 from tests.parity.harness import free_port
 from trainkit import Trainer
 from trainkit.errors import ConfigurationError
+from trainkit_strategies import get_strategy
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 RESUMED = ("ddp", "zero2", "zero3", "fsdp")  # each resumes the ddp checkpoint taken mid-epoch
@@ -60,6 +61,14 @@ def _worker(rank: int, port: int, out: str) -> None:
             results[f"resumed.{strategy}"] = torch.stack(losses)
         losses, _ = _fit("zero2", Path(out, "clipped"), WORLD, clip=0.05)
         results["clipped.zero2"] = torch.stack(losses)
+        for strategy in ("ddp", "zero2"):  # ddp: the second backward leaves ``a`` unused, as torch's DDP needs told
+            dropped = Dropped()
+            engine = get_strategy("ddp", find_unused_parameters=True) if strategy == "ddp" else strategy
+            Trainer(strategy=engine, devices=WORLD, accelerator=accelerator_for(WORLD), max_epochs=1, logger=False,
+                    enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                    default_root_dir=out).fit(dropped, DataLoader(gan_data(), batch_size=PER_RANK))
+            whole = dropped.trainer.strategy.full_parameters()
+            results |= {f"dropped.{strategy}.{n}": p.detach().cpu() for n, p in whole.items()}
         if rank == 0:
             torch.save(results, Path(out, "results.pt"))
     except Exception:
@@ -127,6 +136,15 @@ def test_resumes_at_another_world_size(world, tmp_path):
     losses, _ = _fit("single", tmp_path, 1, ckpt_path=str(source))
     plain = torch.stack(train_plain(EPOCHS * 8, PER_RANK * WORLD))[5:]
     torch.testing.assert_close(torch.stack(losses), plain, **TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ("ddp", "zero2"))
+def test_zero_grad_drops_the_windows_gradients(world, strategy):
+    plain = dropped_plain(8, PER_RANK * WORLD)
+    for name, value in plain.items():
+        torch.testing.assert_close(world[f"dropped.{strategy}.{name}"], value, **TOL)
+    assert torch.equal(world[f"dropped.{strategy}.a.weight"], Dropped().a.weight.detach())  # never stepped
 
 
 @pytest.mark.slow

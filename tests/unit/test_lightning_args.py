@@ -413,7 +413,11 @@ def _sync_bn_run(batch: int, **kwargs: Any) -> dict[str, Any]:
                          num_sanity_val_steps=0, callbacks=[losses], default_root_dir=tempfile.gettempdir(), **kwargs)
     trainer.fit(module, DataLoader(regression_data(64), batch_size=batch))
     state = {k: v.tolist() for k, v in module.state_dict().items()}
-    return {"state": state, "losses": trainer.strategy.all_gather_object(losses.losses)}
+    module.eval()
+    module.net[1].track_running_stats = False  # frozen as BaseFinetuning freezes it: evaluation still uses the
+    with torch.no_grad():  # running statistics (torch's rule), on each rank alone
+        evaluated = module.net(torch.linspace(-1, 1, 24).view(3, 8)).tolist()
+    return {"state": state, "losses": trainer.strategy.all_gather_object(losses.losses), "eval": evaluated}
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -452,4 +456,5 @@ def test_two_ranks_sync_batchnorm_equals_one_process_and_max_time_stops_them_tog
     for name, value in reference["state"].items():
         torch.testing.assert_close(torch.tensor(synced["state"][name]), torch.tensor(value), rtol=1e-5, atol=1e-6,
                                    msg=name)
+    torch.testing.assert_close(torch.tensor(synced["eval"]), torch.tensor(reference["eval"]), rtol=1e-5, atol=1e-6)
     assert results["max_time"] == [[4, "max_time"], [4, "max_time"]]  # rank 1's time up at step 3, agreed at step 4

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 import trainkit as tk
 from tests.helpers import regression_data
-from tests.parity.gan import GAN, _adversarial, gan_data, train_plain
+from tests.parity.gan import DIM, GAN, _adversarial, gan_data, train_plain
 from trainkit.errors import ConfigurationError
 from trainkit.optim import parse_optimizers
 
@@ -76,8 +76,8 @@ class Scheduled(GAN):
 
     def configure_optimizers(self) -> Any:
         opt_g, opt_d = super().configure_optimizers()
-        return ([opt_g, opt_d], [torch.optim.lr_scheduler.StepLR(opt_g, 2, 0.5),
-                                 torch.optim.lr_scheduler.StepLR(opt_d, 3, 0.5)])
+        return ([opt_g, opt_d], [torch.optim.lr_scheduler.StepLR(opt_g, 2, 0.5),  # milestones: integer keys in JSON
+                                 torch.optim.lr_scheduler.MultiStepLR(opt_d, [5, 11], 0.5)])
 
 
 def test_checkpoints_hold_every_optimizer_and_scheduler(tmp_path):
@@ -246,3 +246,94 @@ def test_an_fp16_overflow_skips_that_optimizers_step_only(tmp_path):
     assert moved[:, 0].tolist() == [1.0, 0.0, 1.0] and moved[:, 1].tolist() == [1.0, 1.0, 1.0]
     assert trainer.scaler.scale == moved[1, 2] / 2  # backed off once, at the skipped step
     assert trainer.global_step == 6  # a skipped step is a step, as under automatic optimization
+
+
+def test_zero_grad_drops_what_the_window_held(tmp_path):
+    from tests.parity.gan import Dropped, dropped_plain
+
+    module = Dropped()
+    _trainer(tmp_path, max_epochs=1).fit(module, DataLoader(gan_data(), batch_size=8))
+    for name, value in dropped_plain(8, 8).items():
+        assert torch.equal(dict(module.named_parameters())[name].detach(), value), name
+
+
+class DroppingOne(GAN):
+    """Both networks get gradients from one backward; then one optimizer's alone are dropped, which a window
+    reduced as one cannot do."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        z = batch[1]
+        opt_d = self.optimizers()[1]
+        self.manual_backward(_adversarial(self.discriminator(self(z)), real=True))
+        opt_d.zero_grad()
+
+
+class Retaining(Accumulating):
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        loss = F.mse_loss(self.net(batch[0]), batch[1])
+        self.manual_backward(loss, retain_graph=True)
+        self.manual_backward(loss)  # through the same graph again
+        opt.step()
+        opt.zero_grad()
+
+
+def test_manual_backward_arguments_and_what_is_refused(tmp_path):
+    with pytest.raises(ConfigurationError, match="cannot drop one optimizer's alone"):
+        _trainer(tmp_path / "a", max_steps=2).fit(DroppingOne(), DataLoader(gan_data(), batch_size=8))
+    _trainer(tmp_path / "b", max_steps=2).fit(Retaining(), DataLoader(regression_data(), batch_size=8))
+
+    class Unknown(Accumulating):
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            self.manual_backward(F.mse_loss(self.net(batch[0]), batch[1]), inputs=list(self.parameters()))
+
+    with pytest.raises(TypeError, match="inputs"):
+        _trainer(tmp_path / "c", max_steps=2).fit(Unknown(), DataLoader(regression_data(), batch_size=8))
+
+
+def test_an_optimizer_that_needs_its_closure_is_refused():
+    with pytest.raises(ConfigurationError, match=r"LBFGS\.step needs a closure"):
+        parse_optimizers(torch.optim.LBFGS([nn.Parameter(torch.zeros(2))]))
+
+
+class Growing(GAN):
+    """A group added to one of two optimizers mid-run (as BaseFinetuning would)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(DIM, 1)
+        self.extra.requires_grad_(False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 1:
+            self.extra.requires_grad_(True)
+            self.optimizers()[1].optimizer.add_param_group({"params": list(self.extra.parameters())})
+        super().training_step(batch, batch_idx)
+
+
+def test_a_group_added_to_one_of_several_optimizers_is_refused(tmp_path):
+    with pytest.raises(ConfigurationError, match="one optimizer only"):
+        _trainer(tmp_path, max_steps=8).fit(Growing(), DataLoader(gan_data(), batch_size=8))
+
+
+class Balanced(Accumulating):
+    """A layer's auxiliary loss (a MoE's balance term), which only automatic optimization adds to the loss."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        from trainkit_strategies.auxiliary import add_auxiliary_loss
+
+        add_auxiliary_loss(self.net[0].weight.square().mean())
+        super().training_step(batch, batch_idx)
+
+
+def test_auxiliary_losses_under_manual_optimization_are_refused(tmp_path):
+    with pytest.raises(ConfigurationError, match="auxiliary losses"):
+        _trainer(tmp_path, max_steps=2).fit(Balanced(), DataLoader(regression_data(), batch_size=8))
+
+
+def test_the_gradient_hooks_come_off_when_a_fit_fails_before_training(tmp_path):
+    module = GAN()
+    with pytest.raises(Exception, match="missing"):
+        _trainer(tmp_path, max_steps=2).fit(module, DataLoader(gan_data(), batch_size=8),
+                                            ckpt_path=tmp_path / "missing")
+    assert not any(p._post_accumulate_grad_hooks for p in module.parameters())

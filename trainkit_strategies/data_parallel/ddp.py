@@ -227,8 +227,8 @@ class DDPStrategy(Strategy):
                 bucket.buffer.mul_(scale)
         unused_anywhere = set(globally_unused)
         for p, slot in self._slots.items():
-            if not slot.used and p not in unused_anywhere:  # unused here, used elsewhere: the others' sum
-                p.grad = slot.view
+            if not slot.used and p not in unused_anywhere:  # unused here, used elsewhere: the others' sum; frozen
+                p.grad = slot.view if p.requires_grad else None  # for now (toggled off), left alone as single would
             slot.used = False
         self._launcher.reset()
         for p in globally_unused:
@@ -264,8 +264,9 @@ class DDPStrategy(Strategy):
         """Every gradient to None, the buckets left as they are: the window's first backward copies each gradient
         into its bucket (``_on_grad``), 8 bytes an element, where zeroing the buckets and accumulating into them
         moved 16; a parameter that gets none is zeroed in its bucket before the bucket is reduced."""
-        for p in self._slots:
+        for p, slot in self._slots.items():
             p.grad = None
+            slot.used = False  # within a window (manual optimization's zero_grad), what was had is dropped too
 
     def gradients(self) -> list[Tensor]:
         return [p.grad for p in self._slots if p.grad is not None]

@@ -59,8 +59,8 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         self._check_input_dim(input)
-        batch_stats = self.training or not self.track_running_stats
-        if not batch_stats or not self.comm.active:
+        batch_stats = self.training or self.running_mean is None  # torch's rule: evaluation uses running statistics
+        if not (batch_stats and self.training) or not self.comm.active:  # where they exist; only training syncs
             return super().forward(input)
         factor = 0.0
         if self.training and self.track_running_stats:
