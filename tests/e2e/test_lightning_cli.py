@@ -222,6 +222,14 @@ class Predicting(Regression):
         return {"y": self(batch[0]), "x": batch[0]}
 
 
+class SummingOnRankOne(Predicting):
+    """Rank 1 sums each batch's outputs to a scalar, which a file of rows cannot hold."""
+
+    def predict_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        out = super().predict_step(batch, batch_idx)
+        return {k: v.sum() for k, v in out.items()} if self.global_rank == 1 else out
+
+
 def _expected() -> dict[str, torch.Tensor]:
     x = regression_data(SAMPLES).tensors[0]
     with torch.no_grad():
@@ -264,6 +272,19 @@ def test_predict_at_2_ranks_writes_the_same_file_as_at_1(tmp_path):
          "--trainer.accelerator", "cpu", "--trainer.strategy", "ddp", "--trainer.logger", "false",
          "--trainer.timeout_s", "120", "--output", str(out), *QUIET)
     _check(out)
+
+
+@pytest.mark.slow
+def test_predictions_one_rank_cannot_write_are_one_error_on_every_rank(tmp_path):
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "MASTER_ADDR": "127.0.0.1"}
+    proc = subprocess.run([sys.executable, "-m", "trainkit.cli", "predict", "--model",
+                           "tests.e2e.test_lightning_cli.SummingOnRankOne", "--trainer.devices", "2",
+                           "--trainer.accelerator", "cpu", "--trainer.strategy", "ddp", "--trainer.logger", "false",
+                           "--trainer.timeout_s", "120", *QUIET], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env=env)
+    assert proc.returncode == 2, proc.stderr[-4000:]  # a configuration error, not a peer's failure or a timeout
+    assert "the batch as its first dimension" in proc.stderr and "PeerError" not in proc.stderr
 
 
 @pytest.mark.slow

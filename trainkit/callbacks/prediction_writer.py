@@ -75,13 +75,14 @@ class PredictionWriter(Callback):
     def __init__(self, output: str | Path) -> None:
         self.output = Path(output)
         self._loaders: list[dict[str, Any]] = []  # per predict dataloader: rows, their sample indices, count seen
+        self._error: str | None = None  # what this rank found wrong with the outputs, said on every rank at the end
 
     @property
     def state_key(self) -> str:
         return f"PredictionWriter[{self.output}]"
 
     def on_predict_start(self, trainer: Trainer, module: TrainModule) -> None:
-        self._loaders = []
+        self._loaders, self._error = [], None
 
     def on_predict_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
                              batch_idx: int) -> None:
@@ -95,19 +96,30 @@ class PredictionWriter(Callback):
         samples = infer_batch_size(batch)
         for key, value in rows.items():
             if value.dim() == 0 or (samples and value.shape[0] != samples):
-                raise ConfigurationError(
+                self._error = self._error or (
                     f"{where} returned {key!r} of shape {tuple(value.shape)} for a batch of {samples} samples; a "
                     "prediction written to a file has the batch as its first dimension (one row per sample).")
+                return  # said at the end, on every rank alike
         current = self._loaders[-1]
         current["rows"].append(rows)
         current["seen"] += next(iter(rows.values())).shape[0] if rows else 0
 
     def on_predict_end(self, trainer: Trainer, module: TrainModule) -> None:
         entries = self._loaders + [_entry(None)] * (len(trainer.val_dataloaders) - len(self._loaders))
-        local = [self._local(entry) for entry in entries]
-        everyone = trainer.strategy.all_gather_object(local) if trainer.world_size > 1 else [local]
+        local = None
+        if self._error is None:
+            try:
+                local = [self._local(entry) for entry in entries]
+            except (RuntimeError, ValueError) as err:  # rows that do not concatenate (their shapes differ)
+                self._error = f"The predictions of {type(module).__name__}.predict_step do not form one table: {err}"
+        mine = (self._error, local)
+        everyone = trainer.strategy.all_gather_object(mine) if trainer.world_size > 1 else [mine]
+        errors = [error for error, _ in everyone if error is not None]
+        if errors:  # every rank raises it, so none waits for the others
+            raise ConfigurationError(errors[0])
         if not trainer.is_global_zero:
             return
+        everyone = [rows for _, rows in everyone]
         tensors: dict[str, Tensor] = {}
         loaders = len(local)
         for i in range(loaders):
