@@ -159,7 +159,6 @@ def weakly(method: Callable[[Tensor], None]) -> Callable[[Tensor], None]:
     return hook
 
 
-
 def on_first_grad(output: object, fn: Callable[[Tensor], None]) -> None:
     """Call ``fn`` once per backward, when the first gradient of ``output``'s tensors arrives: hooks on the tensors
     (as FSDP2's pre-backward), not a module's full backward pre-hook. That one hands the module's outputs (and inputs)
