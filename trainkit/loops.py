@@ -24,7 +24,7 @@ from trainkit.errors import ConfigurationError
 from trainkit.module import TrainModule
 from trainkit.results import Results
 from trainkit.seed import set_rng_state
-from trainkit.step import OptimizerStep
+from trainkit.step import WindowStep
 from trainkit.utils import takes_batch_idx
 from trainkit_strategies import RunsSchedule, Strategy, capability
 from trainkit_strategies.liveness import activity
@@ -154,7 +154,7 @@ class FitLoop:
     """Epochs of micro-batches grouped into optimizer steps, with validation on its schedule."""
 
     def __init__(self, config: LoopConfig, progress: Progress, module: nn.Module, strategy: Strategy,
-                 step: OptimizerStep, hooks: HookDispatch, results: Results, data: DataConnector,
+                 step: WindowStep, hooks: HookDispatch, results: Results, data: DataConnector,
                  evaluation: EvalLoop, emit: Emit, boundary: Callable[[bool], bool] = lambda time_up: time_up,
                  timer: Timer | None = None) -> None:
         self.config, self.progress, self.module, self.strategy, self.step = config, progress, module, strategy, step

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -60,6 +60,27 @@ class StepConfig:
     accumulate_grad_batches: int = 1
     gradient_clip_val: float | None = None
     gradient_clip_algorithm: str = "norm"
+
+
+class WindowStep(Protocol):
+    """What the fit loop drives: ``OptimizerStep`` (automatic optimization) and ``manual.ManualStep``."""
+
+    k: int  # micro-batches per window the loop counts (1 under manual optimization: the user's windows)
+    window: int  # micro-batches run in the open window
+    taken: int  # optimizer steps the last closed window counts for
+    items_norm: float | None  # kept in the loop's checkpoint state
+    last_loss: Tensor | None
+    timing: StepTiming
+    guard: FiniteGuard
+    with_batch_idx: bool  # training_step takes batch_idx
+
+    def micro_step(self, module: nn.Module, batch: Any, batch_idx: int, boundary: bool) -> Any: ...
+
+    def step(self) -> bool | None: ...
+
+    def step_scheduler(self, interval: str, count: int, metrics: Callable[[], dict[str, float]]) -> None: ...
+
+    def release(self) -> None: ...
 
 
 def unpack_output(output: Any) -> tuple[Tensor | None, Any]:
