@@ -100,11 +100,18 @@ class MarkovData(DataModule):
     def setup(self, stage: str) -> None:
         if self.chain is None:
             self.chain = MarkovChain(self.vocab_size, self.alpha, self.chain_seed)
-            self._splits = {
-                "train": self.chain.sample(self.train_sequences, self.seq_len + 1, seed=self.chain_seed + 1),
-                "val": self.chain.sample(self.val_sequences, self.seq_len + 1, seed=self.chain_seed + 2),
-                "test": self.chain.sample(self.val_sequences, self.seq_len + 1, seed=self.chain_seed + 3),
-            }
+
+    def _split(self, split: str) -> Tensor:
+        """A split's sequences, sampled when first asked for (each from its own seed, so the same whichever comes
+        first): ``trainkit estimate`` takes one training batch and fit never reads the test split, which at 2048
+        tokens take seconds to sample."""
+        if split not in self._splits:
+            self.setup(split)
+            assert self.chain is not None
+            count = self.train_sequences if split == "train" else self.val_sequences
+            seed = self.chain_seed + {"train": 1, "val": 2, "test": 3}[split]
+            self._splits[split] = self.chain.sample(count, self.seq_len + 1, seed=seed)
+        return self._splits[split]
 
     @property
     def entropy_rate(self) -> float:
@@ -114,8 +121,7 @@ class MarkovData(DataModule):
         return self.chain.entropy_rate
 
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        self.setup(split)
-        return DataLoader(TokenWindows(self._splits[split]), batch_size=self.batch_size, shuffle=shuffle,
+        return DataLoader(TokenWindows(self._split(split)), batch_size=self.batch_size, shuffle=shuffle,
                           drop_last=shuffle, num_workers=self.num_workers, pin_memory=torch.cuda.is_available())
 
     def train_dataloader(self) -> DataLoader:
