@@ -218,17 +218,12 @@ def _activations(module: nn.Module, batch: Any, precision: Precision, device_typ
     return plain, traced[0], traced[1]
 
 
-def _setup(strategy: Strategy, module: nn.Module, precision: Precision, world_size: int, rank: int, batch: Any,
-           device_type: str = "cpu", trace_on: str = "cpu", crossing: dict | None = None,
-           devices_per_node: int | None = None) -> tuple[Any, int, dict[str, dict[str, int]]]:
+def _setup(strategy: Strategy, module: nn.Module, precision: Precision, world_size: int, rank: int,
+           device_type: str = "cpu", devices_per_node: int | None = None) -> tuple[Any, nn.Module, int]:
     """``strategy`` (a fresh copy of the planned one) set up on a meta copy of ``module`` as rank ``rank`` of
-    ``world_size`` with a ``PlanComm`` (every byte counted, none moved), then one optimizer step taken as a run takes
-    it (forward and backward of ``batch`` or the pipeline's schedule, the reduction, the update), left at its peak:
-    gradients still held, the optimizer state created. Returns the strategy, the most device bytes its setup held
-    at once, and the bytes the step's collectives and transfers carried, by kind and by axis. Without a batch the
-    backward is a synthetic one that touches every parameter (model state as in a run; the bytes then leave out
-    what depends on the data). Host memory is on the meta device too; on ``device_type`` "cuda" it is laid out as
-    apart from the device's."""
+    ``world_size`` with a ``PlanComm`` (every byte counted, none moved). Returns the strategy, its model and the most
+    device bytes its setup held at once. Host memory is on the meta device too; on ``device_type`` "cuda" it is laid
+    out as apart from the device's."""
     model = meta_copy(module)
     strategy = copy.deepcopy(strategy)
     env = Environment(device=META, rank=rank, local_rank=rank, world_size=world_size, host=META,
@@ -237,6 +232,16 @@ def _setup(strategy: Strategy, module: nn.Module, precision: Precision, world_si
     with LiveBytes(META) as setup:
         strategy.setup(model, _optimizer(model), precision)
     without_masks(model)  # Hugging Face models: no mask made (its code reads values a meta tensor has none of)
+    return strategy, model, setup.peak
+
+
+def _step(strategy: Any, model: nn.Module, module: nn.Module, batch: Any, precision: Precision, trace_on: str,
+          crossing: dict | None) -> dict[str, dict[str, int]]:
+    """One optimizer step of a set-up strategy taken as a run takes it (forward and backward of ``batch`` or the
+    pipeline's schedule, the reduction, the update), left at its peak: gradients still held, the optimizer state
+    created. Returns the bytes the step's collectives and transfers carried, by kind and by axis. Without a batch the
+    backward is a synthetic one that touches every parameter (model state as in a run; the bytes then leave out
+    what depends on the data)."""
     comms = strategy.comms()
     for comm in comms:
         comm.stats.reset()
@@ -253,7 +258,7 @@ def _setup(strategy: Strategy, module: nn.Module, precision: Precision, world_si
             if id(comm) not in seen:
                 seen.add(id(comm))
                 moved["axis"][axis] = moved["axis"].get(axis, 0) + sum(comm.stats.bytes.values())
-    return strategy, setup.peak, moved
+    return moved
 
 
 def _one_step(strategy: Any, model: nn.Module, module: nn.Module, batch: Any, precision: Precision,
@@ -400,18 +405,18 @@ def _heaviest(strategy: Strategy, module: nn.Module, precision: Precision, world
               device_type: str, trace_on: str,
               devices_per_node: int | None = None) -> tuple[Any, int, dict[str, dict[str, int]]]:
     """The strategy as set up on the rank that holds the most, of the ranks it says differ (``planned``). A schedule
-    is planned with what crosses its boundaries, traced once."""
+    is planned with what crosses its boundaries, traced once, after every stage is set up (each converts its own
+    parameters to the dtypes it computes with) and before any steps."""
     planned, ranks = strategy.planned(module, world_size)
-    args = (module, precision, world_size)
+    built = [_setup(planned, module, precision, world_size, r, device_type, devices_per_node) for r in ranks]
     crossing = None
     if capability(planned, RunsSchedule) is not None and batch is not None:  # stages' parameters in compute dtypes
-        stages = [_setup(planned, *args, r, None, device_type, trace_on, None, devices_per_node)[0] for r in ranks]
-        built = {n: p.dtype for n, p in module.named_parameters()}
-        dtypes = dict(built)
-        for stage in stages:  # a stage converts its own parameters only
-            dtypes |= {n: p.dtype for n, p in stage.module.named_parameters() if p.dtype != built.get(n, p.dtype)}
-        crossing = _crossing(stages[0], module, batch, precision, trace_on, dtypes)
-    setups = [_setup(planned, *args, rank, batch, device_type, trace_on, crossing, devices_per_node) for rank in ranks]
+        initial = {n: p.dtype for n, p in module.named_parameters()}
+        dtypes = dict(initial)
+        for stage, _, _ in built:  # a stage converts its own parameters only
+            dtypes |= {n: p.dtype for n, p in stage.module.named_parameters() if p.dtype != initial.get(n, p.dtype)}
+        crossing = _crossing(built[0][0], module, batch, precision, trace_on, dtypes)
+    setups = [(s, peak, _step(s, model, module, batch, precision, trace_on, crossing)) for s, model, peak in built]
     return max(setups, key=lambda s: s[0].memory_report().device_total)
 
 
