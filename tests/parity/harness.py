@@ -2,16 +2,17 @@
 
 ``run_world(world_size, cases)`` starts W gloo ranks on 127.0.0.1 (one thread each, a free port, a
 timeout) that join one process group and run every case through ``Trainer.fit`` in turn, so process
-start-up is paid once per world size. Each rank reads its shard of the same global batches (the
-trainer's sampler strides one permutation), records the global loss of every optimizer step, the
-full reduced gradients before every step and the final parameters; rank 0 writes them out.
-``run_reference(case, world_size)`` trains the same case with the ``single`` strategy on the whole
-global batch in this process. Tests compare the two with ``assert_close``.
+start-up is paid once per world size (and imports once per session: ``start_method``). Each rank reads
+its shard of the same global batches (the trainer's sampler strides one permutation), records the global
+loss of every optimizer step, the full reduced gradients before every step and the final parameters;
+rank 0 writes them out. ``run_reference(case, world_size)`` trains the same case with the ``single``
+strategy on the whole global batch in this process. Tests compare the two with ``assert_close``.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import socket
 import sys
@@ -526,11 +527,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_method() -> str:
+    """How ranks start: "forkserver" where no GPU is visible, each rank forked from one server that has imported the
+    harness (torch, trainkit, the test models) and dynamo (which every optimizer imports) once in the session, where a
+    spawned rank imports them itself: seconds a rank, W ranks at a time on a few cores. "spawn" where CUDA is visible
+    (a process that has asked the driver for its devices must not be forked)."""
+    if torch.cuda.is_available():
+        return "spawn"
+    multiprocessing.set_forkserver_preload(["tests.parity.harness", "torch._dynamo"])
+    return "forkserver"
+
+
 def run_world(world_size: int, cases: list[Case], timeout_s: float = 600) -> dict[str, Result]:
     """Run ``cases`` on ``world_size`` ranks; results by case name (rank 0's view)."""
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.start_processes(_worker, args=(world_size, free_port(), cases, out), nprocs=world_size,
-                                 join=False, start_method="spawn")
+                                 join=False, start_method=start_method())
         deadline = time.monotonic() + timeout_s
         try:
             while not ctx.join(timeout=2):
