@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.parity.harness import free_port
+from tests.parity.harness import free_port, start_method
 from trainkit_strategies import Environment
 from trainkit_strategies.comm import MESSAGE_BYTES, Comm
 from trainkit_strategies.data_parallel.onebit import SignReduceScatter, compressed_all_reduce
@@ -108,7 +108,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 def test_compressed_collectives_at_three_ranks():
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp, "results.json"))
-        mp.start_processes(_worker, args=(free_port(), out), nprocs=WORLD, start_method="spawn")
+        mp.start_processes(_worker, args=(free_port(), out), nprocs=WORLD, start_method=start_method())
         everyone = json.loads(Path(out).read_text())
     for rank, results in enumerate(everyone):
         assert results["all_to_all"] == [source * 10 + rank for source in range(WORLD)]
