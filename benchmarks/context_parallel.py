@@ -35,7 +35,7 @@ from ranks import run_ranks
 
 from trainkit.demo.gpt import DemoGPT
 from trainkit_strategies import Environment, Precision, get_strategy
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.communication.comm import Comm
 
 VARIANTS = ("single", "cp=2 ring", "cp=2 all-gather", "cp=2 ulysses")
 METHOD = {"cp=2 ring": "ring", "cp=2 all-gather": "all_gather", "cp=2 ulysses": "ulysses"}
@@ -113,8 +113,8 @@ def memory_table(seq: int, layers: int = 12, width: int = 768, heads: int = 12, 
 
     from trainkit.activation import apply_activation_checkpointing
     from trainkit_strategies import ActivationMeter
+    from trainkit_strategies.communication.plan_comm import PlanComm
     from trainkit_strategies.context.ring import ContextParallel, context_parallel, shard_sequence
-    from trainkit_strategies.plan_comm import PlanComm
 
     rows = []
     for cp in (1, 2, 4, 8):

@@ -2,7 +2,8 @@
 
 What a GPU step waits on under ZeRO-Offload is the host step: gradients arrive in bf16, the fp32 master and Adam
 moments are updated, and the parameters go back in bf16. trainkit runs it in one pass per run of buckets
-(``trainkit_strategies/host_adam.py``, a C kernel built on first use). Variants, each moving about the same bytes:
+(``trainkit_strategies/offload/host_adam.py``, a C kernel built on first use). Variants, each moving about the same
+bytes:
 
 - torch ``AdamW(fused=True)`` stepping fp32 tensors with a ready fp32 gradient: read 16 bytes a parameter, write 12;
 - trainkit's step of ``zero_offload`` under bf16-mixed as on a CPU device (``step_shards``: bf16 gradient in, the
@@ -35,9 +36,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from trainkit_strategies import Environment, Precision, get_strategy, native
-from trainkit_strategies import host_adam as host_adam_module
-from trainkit_strategies.host_adam import HostAdam
+from trainkit_strategies import Environment, Precision, get_strategy
+from trainkit_strategies.offload import host_adam as host_adam_module
+from trainkit_strategies.offload import native
+from trainkit_strategies.offload.host_adam import HostAdam
 
 Variant = tuple[Callable[[], None], int]  # (one step, bytes a parameter it moves)
 FUSED, OURS = "torch AdamW(fused=True), fp32", "trainkit bf16 in, bf16 out (CPU device)"

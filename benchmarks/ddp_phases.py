@@ -24,7 +24,7 @@ from ranks import run_ranks
 from strategies import make_model
 
 from trainkit_strategies import Environment, Precision, get_strategy
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.communication.comm import Comm
 
 
 def _worker(rank: int, world: int, port: int, rounds: int, out: dict) -> None:

@@ -35,8 +35,8 @@ from torch import Tensor, nn
 
 from trainkit.moe import MoE
 from trainkit_strategies import Environment, Precision, get_strategy
-from trainkit_strategies.auxiliary import collecting, with_auxiliary
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.communication.comm import Comm
+from trainkit_strategies.experts.auxiliary import collecting, with_auxiliary
 
 VARIANTS = ("trainkit ep=2", "torch reference")
 

@@ -61,7 +61,7 @@ from strategies import (
 
 from trainkit.optim import OneBitAdam
 from trainkit_strategies import Environment, Precision, get_strategy
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.communication.comm import Comm
 
 ROOT = Path(__file__).resolve().parents[1]
 NETSIM = ROOT.parent / "shared" / "tools" / "netsim.sh"

@@ -44,7 +44,7 @@ from torch import nn
 
 from trainkit.demo.gpt import GPTConfig, TinyGPT
 from trainkit_strategies import Environment, Precision, get_strategy
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.communication.comm import Comm
 
 Step = Callable[[], None]
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -249,7 +249,7 @@ def _variant_worker(args: argparse.Namespace) -> None:
 def _phases(strategy: Any, model: nn.Module, batch: Callable[[], tuple], sync: Callable[[], None],
             steps: int) -> dict:
     """The step's phases, synchronised (median of ``steps``), and one step's timeline of host runs against backward."""
-    from trainkit_strategies.host_adam import HostAdam
+    from trainkit_strategies.offload.host_adam import HostAdam
 
     runs: list[tuple[float, float, int]] = []
     real = HostAdam.step

@@ -37,7 +37,7 @@ from ranks import run_ranks
 from torch import nn
 
 from trainkit_strategies import Environment, Precision, RunsSchedule, capability, get_strategy
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.communication.comm import Comm
 from trainkit_strategies.pipeline.schedules import SCHEDULES, simulate
 
 Step = Callable[[], None]

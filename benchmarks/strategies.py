@@ -40,7 +40,7 @@ from torch import nn
 
 from trainkit.optim import OneBitAdam
 from trainkit_strategies import Environment, Precision, get_strategy
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.communication.comm import Comm
 
 Step = Callable[[], None]
 TRAINKIT = ("ddp", "zero1", "zero2", "zero_offload", "fsdp", "zero3")

@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainkit.demo.gpt import DemoGPT
 from trainkit_strategies import Environment, Precision, get_strategy
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.communication.comm import Comm
 
 Step = Callable[[], float]  # one training step; returns its loss
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")

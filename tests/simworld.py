@@ -1,8 +1,8 @@
 """Ranks as threads of one process, with the ``meta`` device standing in for a GPU: NCCL's rules, checked on a CPU.
 
-gloo forgives what NCCL does not. ``SimWorld`` replaces the ``torch.distributed`` that ``trainkit_strategies.comm``
-(the only module that calls collectives) uses by one that enforces NCCL's rules while W threads, one per rank,
-run a strategy:
+gloo forgives what NCCL does not. ``SimWorld`` replaces the ``torch.distributed`` that
+``trainkit_strategies.communication.comm`` (the only module that calls collectives) uses by one that enforces NCCL's
+rules while W threads, one per rank, run a strategy:
 
 - every tensor handed to a collective or a point-to-point operation of an accelerator group lives on the rank's
   device (``meta``); control-plane groups (created with ``backend="gloo"``) take CPU tensors;
@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
-from trainkit_strategies import comm as comm_module
+from trainkit_strategies.communication import comm as comm_module
 
 META = torch.device("meta")
 CPU = torch.device("cpu")
@@ -197,7 +197,8 @@ class P2POp:
 
 class SimWorld:
     """``world_size`` ranks run ``fn(rank)`` in threads of this process (``run``), each under ``DeviceRules``, with
-    ``trainkit_strategies.comm`` talking to this object instead of ``torch.distributed``. With ``device`` the CPU the
+    ``trainkit_strategies.communication.comm`` talking to this object instead of ``torch.distributed``. With
+    ``device`` the CPU the
     ranks compute with real values and the collectives move them: a whole world in one process, for tests that
     need many small runs (resuming across strategies and world sizes)."""
 
@@ -232,8 +233,8 @@ class SimWorld:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[SimWorld]:
-        """``trainkit_strategies.comm`` uses this world while inside, and worker threads a strategy starts (the
-        offloaded step's) compute under their rank's device rules."""
+        """``trainkit_strategies.communication.comm`` uses this world while inside, and worker threads a strategy
+        starts (the offloaded step's) compute under their rank's device rules."""
         world = self
 
         class RankExecutor(ThreadPoolExecutor):

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import trainkit_strategies.context.ring  # noqa: F401  (registers trainkit::cp_attention)
-from trainkit_strategies.memory import ActivationMeter, in_partial_products
+from trainkit_strategies.planning.memory import ActivationMeter, in_partial_products
 from trainkit_strategies.sharding.units import repeated_layers
 
 MODES = ("full", "selective")

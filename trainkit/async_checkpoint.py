@@ -22,7 +22,7 @@ from torch import Tensor
 
 from trainkit import checkpoint as ckpt
 from trainkit_strategies import Strategy
-from trainkit_strategies.state import Piece
+from trainkit_strategies.state.pieces import Piece
 
 
 class HostSnapshot:

@@ -41,7 +41,7 @@ from torch import Tensor
 from trainkit.checkpoint_files import NotRegular, holds_file, open_dir, open_regular, read_name, sha256, table_problem
 from trainkit.storage import describe
 from trainkit_strategies import Strategy
-from trainkit_strategies.state import Piece, Strided, overlaps
+from trainkit_strategies.state.pieces import Piece, Strided, overlaps
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",

@@ -42,7 +42,7 @@ from trainkit.seed import seed_everything
 from trainkit.signals import PREEMPTED_EXIT_CODE, Preempted
 from trainkit.trainer import Trainer
 from trainkit_strategies import Environment
-from trainkit_strategies.comm import PeerError
+from trainkit_strategies.communication.comm import PeerError
 from trainkit_strategies.registry import available
 
 SUBCOMMANDS = {

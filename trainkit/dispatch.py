@@ -14,7 +14,7 @@ from typing import Any
 
 from trainkit.callbacks.base import Callback
 from trainkit.hooks import HOOK_NAMES, ModelHooks
-from trainkit_strategies.liveness import activity
+from trainkit_strategies.communication.liveness import activity
 
 
 def _announced(label: str, fn: Callable, *first: Any) -> Callable:

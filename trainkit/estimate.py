@@ -46,10 +46,10 @@ from trainkit_strategies import (
     capability,
     get_strategy,
 )
+from trainkit_strategies.communication.plan_comm import PlanComm
 from trainkit_strategies.context.huggingface import without_masks
 from trainkit_strategies.experts.parallel import moe_layers
-from trainkit_strategies.memory import LiveBytes
-from trainkit_strategies.plan_comm import PlanComm
+from trainkit_strategies.planning.memory import LiveBytes
 from trainkit_strategies.sharding.units import repeated_layers
 from trainkit_strategies.tensor.planned import plan_for
 

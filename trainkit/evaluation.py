@@ -21,7 +21,7 @@ from trainkit.module import TrainModule
 from trainkit.results import Results
 from trainkit.utils import takes_batch_idx
 from trainkit_strategies import RunsSchedule, ShardedInit, Strategy, capability
-from trainkit_strategies.liveness import activity
+from trainkit_strategies.communication.liveness import activity
 
 
 class EvalLoop:

@@ -9,7 +9,7 @@ from trainkit import launcher, resume
 from trainkit.errors import ConfigurationError
 from trainkit.finite import NonFiniteError
 from trainkit.signals import Preempted
-from trainkit_strategies.comm import Comm, PeerError, peer_failure
+from trainkit_strategies.communication.comm import Comm, PeerError, peer_failure
 
 INTERRUPTED = "interrupted by SIGINT"  # the reason a rank stopped by Ctrl-C gives its peers
 

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from trainkit_strategies import Strategy
-from trainkit_strategies.state import Piece
+from trainkit_strategies.state.pieces import Piece
 
 METRICS = ("loss", "gradient norm")
 

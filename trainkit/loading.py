@@ -3,7 +3,7 @@
 Lightning's ``load_from_checkpoint`` (``core/saving.py``) in trainkit's terms: the module's ``__init__`` arguments
 come from meta.json's ``hyperparameters`` (what ``save_hyperparameters`` recorded), overridden by keyword arguments;
 ``configure_model`` runs; then every parameter and persistent buffer is read whole from the universal checkpoint's
-pieces, whichever strategy and world size wrote them (``trainkit_strategies.state.load_model``, the loader a
+pieces, whichever strategy and world size wrote them (``trainkit_strategies.state.pieces.load_model``, the loader a
 ``single`` strategy resumes with), on one process and without a Trainer. As in Lightning, the module comes back in
 training mode (``model.eval()`` is the caller's, before inference).
 """
@@ -19,7 +19,7 @@ import torch
 
 from trainkit import checkpoint as ckpt
 from trainkit.resume import checkpoint_in
-from trainkit_strategies import state as st
+from trainkit_strategies.state import pieces as st
 
 if TYPE_CHECKING:
     from trainkit.module import TrainModule

@@ -27,7 +27,7 @@ from trainkit.seed import set_rng_state
 from trainkit.step import WindowStep
 from trainkit.utils import takes_batch_idx
 from trainkit_strategies import RunsSchedule, Strategy, capability
-from trainkit_strategies.liveness import activity
+from trainkit_strategies.communication.liveness import activity
 
 if TYPE_CHECKING:
     from trainkit.evaluation import EvalLoop

@@ -34,10 +34,10 @@ from trainkit.hooks import StepTiming
 from trainkit.optim import OptimizerConfig
 from trainkit.step import close_window
 from trainkit_strategies import Precision, Strategy
-from trainkit_strategies import state as st
-from trainkit_strategies.auxiliary import collecting
 from trainkit_strategies.capabilities import SelfReducing
-from trainkit_strategies.liveness import activity
+from trainkit_strategies.communication.liveness import activity
+from trainkit_strategies.experts.auxiliary import collecting
+from trainkit_strategies.state import pieces as st
 
 MANUAL_STRATEGIES = "single, ddp, zero1, zero2, zero3 and fsdp"
 

@@ -19,7 +19,7 @@ from trainkit.callbacks.checkpointing import ModelCheckpoint, best_of
 from trainkit.errors import ConfigurationError
 from trainkit.rundir import newest
 from trainkit.utils import jsonable, stored_as_repr
-from trainkit_strategies.state import StateMismatch
+from trainkit_strategies.state.pieces import StateMismatch
 
 if TYPE_CHECKING:
     from trainkit_strategies import Strategy

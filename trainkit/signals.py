@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from trainkit.async_checkpoint import AsyncSaver
-from trainkit_strategies.comm import Comm, Handle
+from trainkit_strategies.communication.comm import Comm, Handle
 
 PREEMPTED_EXIT_CODE = 75
 GRACE_ENV = "TRAINKIT_STOP_GRACE_S"

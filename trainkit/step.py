@@ -45,8 +45,8 @@ from trainkit.hooks import StepTiming
 from trainkit.optim import OptimizerConfig
 from trainkit.utils import infer_batch_size
 from trainkit_strategies import Precision, RunsSchedule, StepsInBackward, Strategy, capability
-from trainkit_strategies.auxiliary import collecting, with_auxiliary
-from trainkit_strategies.liveness import activity
+from trainkit_strategies.communication.liveness import activity
+from trainkit_strategies.experts.auxiliary import collecting, with_auxiliary
 
 
 @dataclass(frozen=True)

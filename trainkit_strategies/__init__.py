@@ -9,9 +9,9 @@ from trainkit_strategies.capabilities import (
     StepsInBackward,
     capability,
 )
+from trainkit_strategies.communication.environment import Environment
 from trainkit_strategies.data_parallel.single import SingleStrategy
-from trainkit_strategies.environment import Environment
-from trainkit_strategies.memory import ActivationMeter, MemoryReport
+from trainkit_strategies.planning.memory import ActivationMeter, MemoryReport
 from trainkit_strategies.precision import DynamicLossScaler, Precision
 from trainkit_strategies.registry import available, get_strategy, strategy_class
 

@@ -25,16 +25,16 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from trainkit_strategies import state as st
 from trainkit_strategies.capabilities import check_optimizer
-from trainkit_strategies.checkpointing import Checkpointing
-from trainkit_strategies.comm import Comm
-from trainkit_strategies.environment import Environment
-from trainkit_strategies.norms import local_norm
+from trainkit_strategies.communication.comm import Comm
+from trainkit_strategies.communication.environment import Environment
+from trainkit_strategies.communication.norms import local_norm
 from trainkit_strategies.parts import GradientParts
-from trainkit_strategies.planning import Planning
+from trainkit_strategies.planning.reports import Planning
 from trainkit_strategies.precision import Precision
 from trainkit_strategies.ranks import Ranks
+from trainkit_strategies.state import pieces as st
+from trainkit_strategies.state.checkpointing import Checkpointing
 
 
 class Strategy(Ranks, GradientParts, Checkpointing, Planning, ABC):

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.communication.comm import Comm
 
 if TYPE_CHECKING:
     from trainkit_strategies.base import Strategy

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 
 class GradientParts:
-    """The gradients a rank holds, for a strategy composing this one (the layout in ``parallel.py``) and for
+    """The gradients a rank holds, for a strategy composing this one (the layout in ``parallel/strategy.py``) and for
     clipping: ``gradients``, ``keep_apart``/``gradients_of``, ``scale_grads``, ``backward_pass``, ``trainable``."""
 
     module: nn.Module | None

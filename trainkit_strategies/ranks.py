@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainkit_strategies.comm import Comm
-from trainkit_strategies.environment import Environment
+from trainkit_strategies.communication.comm import Comm
+from trainkit_strategies.communication.environment import Environment
 
 
 class Ranks:

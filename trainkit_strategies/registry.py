@@ -16,8 +16,8 @@ _BUILTIN = {
     "zero_offload": "trainkit_strategies.data_parallel.offload:ZeroOffloadStrategy",
     "zero3": "trainkit_strategies.sharding.zero3:Zero3Strategy",
     "fsdp": "trainkit_strategies.sharding.fsdp:FSDPStrategy",
-    "pipeline": "trainkit_strategies.pipeline.strategy:PipelineStrategy",
-    "parallel": "trainkit_strategies.parallel:ParallelStrategy",
+    "pipeline": "trainkit_strategies.parallel.pipeline:PipelineStrategy",
+    "parallel": "trainkit_strategies.parallel.strategy:ParallelStrategy",
 }
 
 

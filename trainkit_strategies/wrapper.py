@@ -1,6 +1,6 @@
 """One way to compose strategies: a ``Wrapper`` runs an inner strategy on what it hands it.
 
-The composed layout (``parallel.py``) hands the tensor-parallel model, or a pipeline stage of it, to the
+The composed layout (``parallel/strategy.py``) hands the tensor-parallel model, or a pipeline stage of it, to the
 data-parallel engine of the ranks holding the same slices (one level: the engine is never a wrapper). The wrapper
 changes what its axes change (cutting the model, the point-to-point traffic, norms combined across stages or
 slices, names in checkpoints) and every other part of the contract is the inner strategy's, here, once.
@@ -14,11 +14,11 @@ from typing import Any
 
 from torch import Tensor
 
-from trainkit_strategies import state as st
 from trainkit_strategies.base import Strategy
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.communication.comm import Comm
 from trainkit_strategies.errors import groups_fixed
-from trainkit_strategies.memory import MemoryReport
+from trainkit_strategies.planning.memory import MemoryReport
+from trainkit_strategies.state import pieces as st
 
 
 class Wrapper(Strategy):

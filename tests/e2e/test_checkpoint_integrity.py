@@ -129,7 +129,7 @@ class _Crash(BaseException):
 
 def _save_values(dirpath, name: str, value: float) -> None:
     from trainkit_strategies import Environment, get_strategy
-    from trainkit_strategies.state import Piece
+    from trainkit_strategies.state.pieces import Piece
 
     strategy = get_strategy("single")
     strategy.setup_environment(Environment())

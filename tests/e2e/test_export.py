@@ -276,7 +276,7 @@ def test_export_replaces_a_planted_link_rather_than_writing_through_it(tmp_path,
     from trainkit import checkpoint as ckpt
     from trainkit.export import export
     from trainkit_strategies import Environment, get_strategy
-    from trainkit_strategies.state import Piece
+    from trainkit_strategies.state.pieces import Piece
 
     strategy = get_strategy("single")
     strategy.setup_environment(Environment())

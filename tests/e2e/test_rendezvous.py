@@ -113,7 +113,7 @@ def test_a_busy_master_port_is_named_at_once_and_no_rank_waits_past_timeout_s(tm
 
 
 def test_loopback_means_this_machine_only():
-    from trainkit_strategies.environment import loopback
+    from trainkit_strategies.communication.environment import loopback
 
     assert loopback("127.0.0.1") and loopback("localhost") and loopback("127.0.0.2")
     assert not loopback("192.0.2.1") and not loopback("10.0.0.1") and not loopback("::ffff:8.8.8.8")
@@ -121,7 +121,7 @@ def test_loopback_means_this_machine_only():
 
 def test_an_interface_the_user_named_is_kept(monkeypatch):
     from trainkit_strategies import Environment
-    from trainkit_strategies.environment import collectives_on_loopback
+    from trainkit_strategies.communication.environment import collectives_on_loopback
 
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)

@@ -53,7 +53,8 @@ from trainkit.demo.gpt import Block, DemoGPT
 from trainkit.demo.markov import MarkovChain, TokenWindows
 from trainkit.optim import OneBitAdam
 from trainkit.utils import infer_batch_size
-from trainkit_strategies import RunsSchedule, StepsInBackward, capability, get_strategy, native
+from trainkit_strategies import RunsSchedule, StepsInBackward, capability, get_strategy
+from trainkit_strategies.offload import native
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
 SPREAD = 8.0  # a low-precision result may differ from its reference by this many times the rounding spread

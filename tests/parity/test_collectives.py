@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from tests.parity.harness import free_port, start_method
 from trainkit_strategies import Environment
-from trainkit_strategies.comm import MESSAGE_BYTES, Comm
+from trainkit_strategies.communication.comm import MESSAGE_BYTES, Comm
 from trainkit_strategies.data_parallel.onebit import SignReduceScatter, compressed_all_reduce
 
 pytestmark = pytest.mark.slow  # processes of their own (see conftest.py)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.parity.harness import Case, assert_parity, run_reference, run_world
-from trainkit_strategies.comm import CommStats
+from trainkit_strategies.communication.comm import CommStats
 
 pytestmark = pytest.mark.slow  # processes of their own (see conftest.py)
 

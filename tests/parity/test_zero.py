@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.parity.harness import Case, assert_parity, run_reference, run_world
-from trainkit_strategies import host_adam, native
+from trainkit_strategies.offload import host_adam, native
 
 pytestmark = pytest.mark.slow  # processes of their own (see conftest.py)
 

@@ -10,7 +10,7 @@ from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from trainkit_strategies import Environment, Precision, get_strategy
-from trainkit_strategies.flat import FIRST_BUCKET_BYTES, BucketReducer, FlatBucket, pack
+from trainkit_strategies.state.flat import FIRST_BUCKET_BYTES, BucketReducer, FlatBucket, pack
 
 MIB = 2**20
 

@@ -15,7 +15,7 @@ import torch
 from trainkit import checkpoint as ckpt
 from trainkit.resume import resolve
 from trainkit_strategies import Environment, get_strategy
-from trainkit_strategies.state import Piece
+from trainkit_strategies.state.pieces import Piece
 
 RANK_FILE = "rank00000.safetensors"
 

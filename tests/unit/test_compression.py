@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trainkit.optim import OneBitAdam
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.communication.comm import Comm
 from trainkit_strategies.data_parallel.onebit import (
     compress,
     compressed_all_reduce,

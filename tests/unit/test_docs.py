@@ -31,8 +31,8 @@ OUTSIDE = {"zero_to_fp32.py"}  # DeepSpeed's, named as the thing trainkit does d
 
 
 def test_every_source_file_the_documents_name_exists():
-    """A file named in backticks (``comm.py``, ``sharding/engine.py``, ``trainkit_strategies/csrc/host_adam.c``) is a
-    file of the repository, by its path or the end of it: documents that name files since moved mislead."""
+    """A file named in backticks (``comm.py``, ``sharding/engine.py``, ``trainkit_strategies/offload/csrc/host_adam.c``)
+    is a file of the repository, by its path or the end of it: documents that name files since moved mislead."""
     tracked = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*")
                if p.is_file() and not {".git", ".venv", "runs", "checkpoints"} & set(p.relative_to(ROOT).parts)]
     missing = []

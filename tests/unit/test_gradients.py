@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from trainkit_strategies import Environment, Precision, get_strategy
-from trainkit_strategies.norms import local_norm
+from trainkit_strategies.communication.norms import local_norm
 from trainkit_strategies.sharding.fsdp import FSDPStrategy
 
 

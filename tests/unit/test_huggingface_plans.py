@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.e2e.cli_runs import ROOT
-from trainkit_strategies.plan_comm import PlanComm
+from trainkit_strategies.communication.plan_comm import PlanComm
 from trainkit_strategies.tensor.huggingface import plan_of
 from trainkit_strategies.tensor.plan import Embedding, GatherSequence, SplitSequence, apply_plan
 

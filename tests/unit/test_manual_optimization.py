@@ -320,7 +320,7 @@ class Balanced(Accumulating):
     """A layer's auxiliary loss (a MoE's balance term), which only automatic optimization adds to the loss."""
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
-        from trainkit_strategies.auxiliary import add_auxiliary_loss
+        from trainkit_strategies.experts.auxiliary import add_auxiliary_loss
 
         add_auxiliary_loss(self.net[0].weight.square().mean())
         super().training_step(batch, batch_idx)

@@ -18,7 +18,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from tests.helpers import step_as_rank_1
 from tests.measure import Alive
 from trainkit_strategies import get_strategy
-from trainkit_strategies.flat import ALIGN
+from trainkit_strategies.state.flat import ALIGN
 
 
 @pytest.fixture

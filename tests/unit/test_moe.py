@@ -16,8 +16,8 @@ from tests.parity.plain import moe_losses_by_formula
 from trainkit import Trainer, TrainModule
 from trainkit.callbacks import Callback
 from trainkit.moe import MoE, moe_metrics
-from trainkit_strategies.auxiliary import collecting
 from trainkit_strategies.experts import dispatch
+from trainkit_strategies.experts.auxiliary import collecting
 
 
 def _moe(**options) -> MoE:

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainkit_strategies import host_adam as host_adam_module
-from trainkit_strategies import native
-from trainkit_strategies.host_adam import HostAdam
+from trainkit_strategies.offload import host_adam as host_adam_module
+from trainkit_strategies.offload import native
+from trainkit_strategies.offload.host_adam import HostAdam
 
 COMPILER = native.compiler()
 needs_compiler = pytest.mark.skipif(COMPILER is None, reason="no C compiler on this machine: nothing is built")

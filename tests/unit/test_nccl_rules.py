@@ -27,7 +27,7 @@ from trainkit.demo.gpt import DemoGPT
 from trainkit.dispatch import HookDispatch
 from trainkit.step import OptimizerStep, StepConfig
 from trainkit_strategies import Environment, Precision, RunsSchedule, ShardedInit, capability, get_strategy
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.communication.comm import Comm
 
 DIM = 8
 rank_zero_only.rank = 0  # the threads share one process; warnings print once

@@ -15,11 +15,12 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from trainkit_strategies import Environment, Precision, get_strategy, native
-from trainkit_strategies import host_adam as host_adam_module
-from trainkit_strategies import master as master_module
+from trainkit_strategies import Environment, Precision, get_strategy
 from trainkit_strategies.data_parallel.gradients import OffloadedGradients
-from trainkit_strategies.host_adam import HostAdam
+from trainkit_strategies.offload import host_adam as host_adam_module
+from trainkit_strategies.offload import native
+from trainkit_strategies.offload.host_adam import HostAdam
+from trainkit_strategies.state.pieces import master as master_module
 
 
 @pytest.fixture(params=["kernel", "torch"])
@@ -442,7 +443,7 @@ def test_offload_accumulation_never_waits_for_the_bus_inside_backward(monkeypatc
     it into the partition once it landed: nothing in backward waits for a copy (the old hook synchronised on every
     bucket's copy), and the window's end waits for all of them."""
     from tests.simworld import META, SimWorld
-    from trainkit_strategies.hostcopy import CopyStream
+    from trainkit_strategies.offload.hostcopy import CopyStream
 
     waits: list[tuple[str, bool]] = []
     pending = lambda self: object()  # a pending copy
@@ -490,7 +491,7 @@ def test_on_a_gpu_the_step_in_backward_sends_each_bucket_up_from_the_host_thread
     from over the gradient they came from, one bulk copy per bucket, while backward still runs (the first layer's
     backward holds until an upload has been issued); the device then waits, on its stream, for each bucket."""
     from tests.simworld import META, SimWorld, on_device
-    from trainkit_strategies.hostcopy import CopyStream
+    from trainkit_strategies.offload.hostcopy import CopyStream
 
     monkeypatch.setattr(master_module, "MIN_RUN", 0)
     token = object()
@@ -553,8 +554,8 @@ def test_the_delayed_update_waits_for_the_last_upload_before_rewriting_its_buffe
     from: it first waits (in its own thread) for those uploads; its spare gradient partition is page-locked too (a
     pageable one makes every other step's copies synchronous)."""
     from tests.simworld import META, SimWorld
-    from trainkit_strategies.hostcopy import CopyStream
-    from trainkit_strategies.memory import page_locked
+    from trainkit_strategies.offload.hostcopy import CopyStream
+    from trainkit_strategies.planning.memory import page_locked
 
     events: list[str] = []
     token = object()

@@ -25,7 +25,7 @@ from torch import nn
 
 from tests.linkworld import LinkWorld, Posted
 from trainkit_strategies import Environment, Precision, get_strategy
-from trainkit_strategies.comm import MESSAGE_BYTES
+from trainkit_strategies.communication.comm import MESSAGE_BYTES
 
 WIDTH = 64  # a 64 x 64 fp32 weight: 16 KiB, so a direction carries a bucket in thousands of ticks
 LAYERS = 4

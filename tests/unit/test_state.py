@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainkit_strategies import state as st
+from trainkit_strategies.state import pieces as st
 
 
 class DictReader:

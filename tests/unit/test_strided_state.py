@@ -12,7 +12,7 @@ import torch
 
 from trainkit import checkpoint as ckpt
 from trainkit.export import export
-from trainkit_strategies.state import Piece, Strided, overlaps
+from trainkit_strategies.state.pieces import Piece, Strided, overlaps
 from trainkit_strategies.tensor.layers import Split
 
 

@@ -84,6 +84,41 @@ def name_branches(root: Path, names: set[str]) -> list[str]:
     return found
 
 
+# trainkit_strategies' folders by role, lowest first: a module imports only from its own group or a lower one, so a
+# newcomer reads them bottom up (the contract's leaves, communication, planning, host offload, state, the contract,
+# the axes, their composition) and an axis never reaches into the composer.
+LAYERS = [
+    {"errors", "precision"},
+    {"communication"},
+    {"capabilities"},
+    {"planning"},
+    {"offload"},
+    {"state"},
+    {"base", "parts", "ranks", "registry", "wrapper"},
+    {"data_parallel", "sharding", "tensor", "context", "experts", "pipeline"},
+    {"parallel"},
+    {"__init__"},
+]
+
+
+def _group(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def upward_imports(root: Path) -> list[str]:
+    """Imports of trainkit_strategies from a group to a higher one in ``LAYERS`` (or from a group it does not list)."""
+    rank = {group: i for i, layer in enumerate(LAYERS) for group in layer}
+    modules = {n: p for n, p in _modules(root).items() if n.split(".")[0] == "trainkit_strategies"}
+    found = []
+    for name, path in sorted(modules.items()):
+        for target in sorted(_imports(name, path, modules)):
+            here, there = rank.get(_group(name), -1), rank.get(_group(target), len(LAYERS))
+            if there > here:
+                found.append(f"{name} -> {target}")
+    return found
+
+
 def test_no_library_file_exceeds_the_limit():
     long = long_files(ROOT)
     assert not long, f"split these by responsibility (at most {LIMIT} lines): {long}"
@@ -92,6 +127,11 @@ def test_no_library_file_exceeds_the_limit():
 def test_the_import_graph_has_no_cycle():
     cycles = import_cycles(ROOT)
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_strategy_folders_import_one_way():
+    upward = upward_imports(ROOT)
+    assert not upward, "imports against the layering (tests/unit/test_structure.py, LAYERS): " + "; ".join(upward)
 
 
 def test_no_code_branches_on_a_strategy_name():
@@ -116,6 +156,14 @@ def test_the_checks_see_a_cycle_and_a_long_file(tmp_path):
     assert import_cycles(tmp_path) == [["trainkit.a", "trainkit.b", "trainkit.a"]]
     assert long_files(tmp_path) == {"trainkit/b.py": LIMIT + 2}
     assert len(name_branches(tmp_path, {"ddp", "zero2"})) == 2
+    strategies = tmp_path / "trainkit_strategies"
+    for folder in ("communication", "tensor"):
+        (strategies / folder).mkdir()
+        (strategies / folder / "__init__.py").write_text("")
+    (strategies / "__init__.py").write_text("")
+    (strategies / "communication" / "comm.py").write_text("from trainkit_strategies.tensor import layers\n")
+    (strategies / "tensor" / "layers.py").write_text("from trainkit_strategies.communication import comm\n")
+    assert upward_imports(tmp_path) == ["trainkit_strategies.communication.comm -> trainkit_strategies.tensor.layers"]
 
 
 def test_importing_trainkit_leaves_dynamo_unimported():
@@ -125,7 +173,7 @@ def test_importing_trainkit_leaves_dynamo_unimported():
     import subprocess
     import sys
 
-    code = ("import sys, trainkit, trainkit.cli, trainkit.demo.gpt, trainkit_strategies.parallel, "
+    code = ("import sys, trainkit, trainkit.cli, trainkit.demo.gpt, trainkit_strategies.parallel.strategy, "
             "trainkit_strategies.registry as r\n[r.strategy_class(n) for n in r.available()]\n"
             "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
@@ -138,10 +186,10 @@ def test_the_strategy_class_is_the_steps_contract_and_its_parts_live_apart():
     import inspect
 
     from trainkit_strategies.base import Strategy
-    from trainkit_strategies.checkpointing import Checkpointing
     from trainkit_strategies.parts import GradientParts
-    from trainkit_strategies.planning import Planning
+    from trainkit_strategies.planning.reports import Planning
     from trainkit_strategies.ranks import Ranks
+    from trainkit_strategies.state.checkpointing import Checkpointing
 
     own = sorted(n for n, v in vars(Strategy).items() if not n.startswith("_") and callable(v))
     assert len(own) <= 16, own

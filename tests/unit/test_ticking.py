@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from trainkit import work
 from trainkit.callbacks.progress import QUIET_S, ProgressBar
-from trainkit_strategies.liveness import WARN_AFTER_S, Activity, Heartbeat, Peer
+from trainkit_strategies.communication.liveness import WARN_AFTER_S, Activity, Heartbeat, Peer
 
 
 class Clock:

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from trainkit_strategies.comm import Comm, Handle
+from trainkit_strategies.communication.comm import Comm, Handle
 from trainkit_strategies.context.ulysses import ulysses_attention
 from trainkit_strategies.errors import ConfigurationError
 

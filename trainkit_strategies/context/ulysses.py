@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd import Function
 
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.communication.comm import Comm
 from trainkit_strategies.errors import ConfigurationError
 
 

@@ -34,12 +34,12 @@ from torch.optim import Optimizer
 
 from trainkit_strategies.base import Strategy
 from trainkit_strategies.capabilities import SelfReducing
-from trainkit_strategies.comm import Handle
+from trainkit_strategies.communication.comm import Handle
+from trainkit_strategies.communication.norms import combine_norm
 from trainkit_strategies.data_parallel.powersgd import PowerSGD
-from trainkit_strategies.flat import OrderedLauncher, first_bucket_bytes, pack
-from trainkit_strategies.memory import MemoryReport
-from trainkit_strategies.norms import combine_norm
+from trainkit_strategies.planning.memory import MemoryReport
 from trainkit_strategies.precision import Precision
+from trainkit_strategies.state.flat import OrderedLauncher, first_bucket_bytes, pack
 
 
 @dataclass

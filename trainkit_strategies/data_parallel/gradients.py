@@ -17,9 +17,9 @@ import torch
 from torch import Tensor
 from torch.autograd import Variable
 
-from trainkit_strategies.flat import FlatBucket
-from trainkit_strategies.hostcopy import CopyStream, host_buffer
-from trainkit_strategies.master import transfer
+from trainkit_strategies.offload.hostcopy import CopyStream, host_buffer
+from trainkit_strategies.state.flat import FlatBucket
+from trainkit_strategies.state.master import transfer
 
 if TYPE_CHECKING:
     from trainkit_strategies.data_parallel.zero import ZeroStrategy

@@ -32,14 +32,14 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from trainkit_strategies import state as st
 from trainkit_strategies.capabilities import StepsInBackward
 from trainkit_strategies.data_parallel.gradients import OffloadedGradients
 from trainkit_strategies.data_parallel.zero import Zero2Strategy
-from trainkit_strategies.flat import FlatBucket
-from trainkit_strategies.hostcopy import CopyStream, host_buffer, mark
-from trainkit_strategies.memory import MemoryReport
+from trainkit_strategies.offload.hostcopy import CopyStream, host_buffer, mark
+from trainkit_strategies.planning.memory import MemoryReport
 from trainkit_strategies.precision import Precision
+from trainkit_strategies.state import pieces as st
+from trainkit_strategies.state.flat import FlatBucket
 
 
 class ZeroOffloadStrategy(StepsInBackward, Zero2Strategy):

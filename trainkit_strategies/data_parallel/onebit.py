@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from trainkit_strategies.capabilities import SelfReducing
-from trainkit_strategies.comm import Comm, Handle
+from trainkit_strategies.communication.comm import Comm, Handle
 
 # Eight 0/1 bytes read as one little-endian int64, times this constant, carry byte i to bit 63-i and nothing else
 # to bits 56-63 (the partial products land on distinct bits, so nothing carries): the top byte is the packed byte.

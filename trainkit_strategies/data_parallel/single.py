@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from trainkit_strategies.base import Strategy
-from trainkit_strategies.comm import Comm
-from trainkit_strategies.environment import Environment
+from trainkit_strategies.communication.comm import Comm
+from trainkit_strategies.communication.environment import Environment
 
 
 class SingleStrategy(Strategy):

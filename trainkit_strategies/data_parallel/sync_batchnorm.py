@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.communication.comm import Comm
 
 
 class _SumOverRanks(torch.autograd.Function):

@@ -30,7 +30,6 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from trainkit_strategies import state as st
 from trainkit_strategies.base import Strategy
 from trainkit_strategies.capabilities import SelfReducing, optimizer_extras
 from trainkit_strategies.data_parallel.gradients import (
@@ -41,11 +40,12 @@ from trainkit_strategies.data_parallel.gradients import (
     WholeGradients,
 )
 from trainkit_strategies.data_parallel.onebit import SignReduceScatter
-from trainkit_strategies.flat import BucketReducer, FlatBucket, OrderedLauncher, first_bucket_bytes, pack
-from trainkit_strategies.hostcopy import mark
-from trainkit_strategies.master import DeferredGradScale, FixedGroups, MasterShards
-from trainkit_strategies.memory import MemoryReport
+from trainkit_strategies.offload.hostcopy import mark
+from trainkit_strategies.planning.memory import MemoryReport
 from trainkit_strategies.precision import Precision, dtype_named
+from trainkit_strategies.state import pieces as st
+from trainkit_strategies.state.flat import BucketReducer, FlatBucket, OrderedLauncher, first_bucket_bytes, pack
+from trainkit_strategies.state.master import DeferredGradScale, FixedGroups, MasterShards
 
 
 class ZeroStrategy(DeferredGradScale, FixedGroups, Strategy):

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.communication.comm import Comm
 
 
 @dataclass(frozen=True)

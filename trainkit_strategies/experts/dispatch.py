@@ -25,7 +25,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 from torch.autograd import Function
 
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.communication.comm import Comm
 from trainkit_strategies.experts.routing import count_experts
 
 _grouped_fails: dict[tuple[str, torch.dtype], str] = {}  # (device type, dtype) -> why grouped_mm failed there

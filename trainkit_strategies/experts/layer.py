@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from trainkit_strategies.auxiliary import add_auxiliary_loss
+from trainkit_strategies.experts.auxiliary import add_auxiliary_loss
 from trainkit_strategies.experts.context import ExpertContext, current
 from trainkit_strategies.experts.dispatch import dispatch
 from trainkit_strategies.experts.routing import (
@@ -45,7 +45,7 @@ class MoE(nn.Module):
             routing: each expert takes at most ``ceil(factor * tokens * top_k / experts)`` of a forward's assignments
             (first choices first), the rest dropped and counted (``dropped``).
         balance_coef, z_coef: the load-balancing loss (Switch/GShard) and router z-loss (ST-MoE) coefficients;
-            the terms are added to the training objective by the step (``trainkit_strategies.auxiliary``).
+            the terms are added to the training objective by the step (``trainkit_strategies.experts.auxiliary``).
         balance: "sequence" (the balance of each sequence, averaged: DeepSeek-V3's sequence-wise loss, the same on
             any layout) or "batch" (of all the tokens of the forward on this rank).
         shared_hidden: hidden size of a shared expert every token goes through (DeepSeek-MoE); 0 for none.

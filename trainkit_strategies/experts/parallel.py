@@ -18,7 +18,7 @@ from collections.abc import Collection
 import torch
 from torch import Tensor, nn
 
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.communication.comm import Comm
 from trainkit_strategies.errors import ConfigurationError
 from trainkit_strategies.experts.layer import MoE
 from trainkit_strategies.tensor.layers import Split

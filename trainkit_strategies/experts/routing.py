@@ -19,7 +19,7 @@ import math
 import torch
 from torch import Tensor
 
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.communication.comm import Comm
 
 SCORINGS = ("softmax", "sigmoid")
 BALANCES = ("sequence", "batch")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from trainkit_strategies.comm import Comm, Handle
+from trainkit_strategies.communication.comm import Comm, Handle
 from trainkit_strategies.pipeline.schedules import rank_and_chunk
 
 _WIRE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,

@@ -8,7 +8,7 @@ evaluation. The layers are split into contiguous stages balanced by parameter co
 with ``world_size = stages * replicas`` rank ``r`` runs stage ``r // replicas`` of replica
 ``r % replicas`` (``layout.py``: stages outermost), and each stage's gradients are reduced across
 replicas by the layout's data-parallel engine (ddp, zero1, zero2 or fsdp) working in that stage's
-subgroup: ``Pipeline`` is a part of the composed strategy (``parallel.py``; ``pipeline`` is its preset), not a
+subgroup: ``Pipeline`` is a part of the composed strategy (``parallel/strategy.py``; ``pipeline`` is its preset), not a
 strategy around another. With ``virtual_stages = v`` the layers are cut into
 ``stages * v`` chunks and rank ``s`` holds chunks ``s, s + stages, s + 2 stages, ...`` (interleaved 1F1B).
 
@@ -37,14 +37,12 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_leaves
 
-from trainkit_strategies import state as st
-from trainkit_strategies.auxiliary import attached, collecting, with_auxiliary
 from trainkit_strategies.base import Strategy
 from trainkit_strategies.capabilities import RunsSchedule
-from trainkit_strategies.comm import Comm, Handle
+from trainkit_strategies.communication.comm import Comm, Handle
+from trainkit_strategies.communication.layout import AXES, Mesh
 from trainkit_strategies.errors import ConfigurationError
-from trainkit_strategies.layout import AXES, Mesh
-from trainkit_strategies.memory import ActivationMeter
+from trainkit_strategies.experts.auxiliary import attached, collecting, with_auxiliary
 from trainkit_strategies.pipeline.channels import Channel, links
 from trainkit_strategies.pipeline.microbatches import (
     first_tensor,
@@ -57,7 +55,9 @@ from trainkit_strategies.pipeline.microbatches import (
 from trainkit_strategies.pipeline.schedules import SCHEDULES, rank_and_chunk, schedule_for, virtual_stage
 from trainkit_strategies.pipeline.split_backward import WeightGradients, input_gradient
 from trainkit_strategies.pipeline.stages import Chunks, cut, owners
+from trainkit_strategies.planning.memory import ActivationMeter
 from trainkit_strategies.registry import strategy_class
+from trainkit_strategies.state import pieces as st
 
 DATA_PARALLEL = ("ddp", "zero1", "zero2", "fsdp")
 STAGE_AXES = tuple(a for a in AXES if a != "pp")  # the ranks running one stage

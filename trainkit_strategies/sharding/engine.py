@@ -36,18 +36,18 @@ from torch import Tensor, nn
 from torch.autograd import Variable
 from torch.optim import Optimizer
 
-from trainkit_strategies import state as st
 from trainkit_strategies.base import Strategy
 from trainkit_strategies.capabilities import ShardedInit
-from trainkit_strategies.comm import Comm
-from trainkit_strategies.environment import Environment
-from trainkit_strategies.flat import BucketReducer, FlatBucket, OrderedLauncher
-from trainkit_strategies.master import DeferredGradScale, FixedGroups, MasterShards
-from trainkit_strategies.memory import MemoryReport, resize_storage
+from trainkit_strategies.communication.comm import Comm
+from trainkit_strategies.communication.environment import Environment
+from trainkit_strategies.planning.memory import MemoryReport, resize_storage
 from trainkit_strategies.precision import Precision, dtype_named
 from trainkit_strategies.sharding.deferred import InitRecorder, Replayer
 from trainkit_strategies.sharding.materialise import materialise_meta
 from trainkit_strategies.sharding.units import ShardedBucket, Unit, UnitOrder, assign_units, on_first_grad, weakly
+from trainkit_strategies.state import pieces as st
+from trainkit_strategies.state.flat import BucketReducer, FlatBucket, OrderedLauncher
+from trainkit_strategies.state.master import DeferredGradScale, FixedGroups, MasterShards
 
 
 def _in_backward() -> bool:

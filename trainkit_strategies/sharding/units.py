@@ -10,8 +10,8 @@ from torch import Tensor, nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
-from trainkit_strategies.comm import Handle
-from trainkit_strategies.flat import FlatBucket
+from trainkit_strategies.communication.comm import Handle
+from trainkit_strategies.state.flat import FlatBucket
 
 
 @dataclass(eq=False)

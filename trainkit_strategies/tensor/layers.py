@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.communication.comm import Comm
 from trainkit_strategies.errors import ConfigurationError
-from trainkit_strategies.memory import partial_products
+from trainkit_strategies.planning.memory import partial_products
 from trainkit_strategies.tensor.loss import VocabShard
 from trainkit_strategies.tensor.regions import (
     copy_in,

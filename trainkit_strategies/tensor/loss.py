@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd import Function
 from torch.utils._pytree import tree_leaves
 
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.communication.comm import Comm
 
 _KEEP = {Tensor.float, Tensor.double, Tensor.half, Tensor.bfloat16, Tensor.to, Tensor.type_as, Tensor.view,
          Tensor.reshape, Tensor.flatten, Tensor.contiguous, Tensor.detach, Tensor.__getitem__, Tensor.requires_grad_,

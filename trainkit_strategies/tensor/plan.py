@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.communication.comm import Comm
 from trainkit_strategies.errors import ConfigurationError
 from trainkit_strategies.tensor.layers import ColumnParallelLinear, RowParallelLinear, Split, VocabParallelEmbedding
 from trainkit_strategies.tensor.regions import gather_seq, gather_whole, split_seq

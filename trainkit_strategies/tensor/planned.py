@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from trainkit_strategies.comm import Comm
-from trainkit_strategies.plan_comm import PlanComm
+from trainkit_strategies.communication.comm import Comm
+from trainkit_strategies.communication.plan_comm import PlanComm
 from trainkit_strategies.tensor.huggingface import indivisible_heads
 from trainkit_strategies.tensor.huggingface import plan_of as hf_plan_of
 from trainkit_strategies.tensor.layers import Split

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 from torch.autograd import Function
 
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.communication.comm import Comm
 
 
 def _apply(function: type[Function], *args: Any) -> Any:

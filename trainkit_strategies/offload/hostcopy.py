@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from trainkit_strategies.memory import page_locked, plan_host
+from trainkit_strategies.planning.memory import page_locked, plan_host
 
 if TYPE_CHECKING:
-    from trainkit_strategies.environment import Environment
+    from trainkit_strategies.communication.environment import Environment
 
 
 def host_buffer(numel: int, dtype: torch.dtype, env: Environment, pinned: bool = False) -> Tensor:

@@ -32,22 +32,22 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from trainkit_strategies import state as st
 from trainkit_strategies.base import Strategy
 from trainkit_strategies.capabilities import Parallelizes, RunsSchedule, StepsInBackward
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.communication.comm import Comm
+from trainkit_strategies.communication.environment import Environment
+from trainkit_strategies.communication.layout import Layout, Mesh, check_degrees, resolve_layout
+from trainkit_strategies.communication.norms import combine_norm
 from trainkit_strategies.context.huggingface import adopt as adopt_huggingface
 from trainkit_strategies.context.ring import METHODS, ContextParallel, context_parallel, shard_sequence
-from trainkit_strategies.environment import Environment
 from trainkit_strategies.errors import ConfigurationError
 from trainkit_strategies.experts.context import ExpertContext, expert_context
 from trainkit_strategies.experts.parallel import ExpertParallel
-from trainkit_strategies.layout import Layout, Mesh, check_degrees, resolve_layout
-from trainkit_strategies.norms import combine_norm
 from trainkit_strategies.pipeline.executor import STAGE_AXES, Pipeline, check_schedule
 from trainkit_strategies.pipeline.microbatches import missing_hooks
 from trainkit_strategies.precision import Precision, dtype_named
 from trainkit_strategies.registry import get_strategy, strategy_class
+from trainkit_strategies.state import pieces as st
 from trainkit_strategies.tensor.huggingface import indivisible_heads
 from trainkit_strategies.tensor.layers import Split
 from trainkit_strategies.tensor.plan import Applied, apply_plan

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainkit_strategies.comm import DONE, Comm, CommStats, Handle
+from trainkit_strategies.communication.comm import DONE, Comm, CommStats, Handle
 
 
 class PlanComm(Comm):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.communication.comm import Comm
 
 
 def local_norm(grads: list[Tensor], norm_type: float, device: torch.device) -> Tensor:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from trainkit_strategies import native
+from trainkit_strategies.offload import native
 
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _KINDS = "float32, bfloat16 or float16"

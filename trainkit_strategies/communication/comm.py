@@ -36,11 +36,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from trainkit_strategies.environment import collectives_on_loopback, elastic_store
-from trainkit_strategies.liveness import Heartbeat, Waiter
+from trainkit_strategies.communication.environment import collectives_on_loopback, elastic_store
+from trainkit_strategies.communication.liveness import Heartbeat, Waiter
 
 if TYPE_CHECKING:
-    from trainkit_strategies.environment import Environment
+    from trainkit_strategies.communication.environment import Environment
 
 MESSAGE_BYTES = 1 << 20  # the most one point-to-point message of a ring round carries (see above)
 _TAG_PIECES = 256  # tags per ring collective: a round's messages each get their own

@@ -21,13 +21,13 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
-from trainkit_strategies import state as st
-from trainkit_strategies.environment import Environment
+from trainkit_strategies.communication.environment import Environment
+from trainkit_strategies.communication.norms import sharded_norm
 from trainkit_strategies.errors import groups_fixed
-from trainkit_strategies.flat import FlatBucket
-from trainkit_strategies.host_adam import HostAdam, follows, supported
-from trainkit_strategies.hostcopy import CopyStream, host_buffer, synchronize
-from trainkit_strategies.norms import sharded_norm
+from trainkit_strategies.offload.host_adam import HostAdam, follows, supported
+from trainkit_strategies.offload.hostcopy import CopyStream, host_buffer, synchronize
+from trainkit_strategies.state import pieces as st
+from trainkit_strategies.state.flat import FlatBucket
 
 _FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 

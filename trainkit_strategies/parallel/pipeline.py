@@ -1,4 +1,4 @@
-"""``strategy="pipeline"``: a preset of the composed layout (``parallel.py``) with stages and one data-parallel axis.
+"""``strategy="pipeline"``: a preset of the composed layout (``parallel/strategy.py``) with stages and one data-parallel axis.
 
 ``--trainer.strategy pipeline --trainer.strategy.data_parallel zero2`` is ``ParallelStrategy`` on the layout
 ``pp=stages x dp_shard=world/stages`` with the ``zero2`` engine in every stage (``ddp`` replicates a stage over
@@ -12,8 +12,8 @@ import copy
 from torch import nn
 
 from trainkit_strategies.base import Strategy
-from trainkit_strategies.layout import Layout
-from trainkit_strategies.parallel import ParallelStrategy
+from trainkit_strategies.communication.layout import Layout
+from trainkit_strategies.parallel.strategy import ParallelStrategy
 from trainkit_strategies.pipeline.executor import DATA_PARALLEL, Pipeline, check_schedule
 from trainkit_strategies.registry import strategy_class
 

@@ -16,9 +16,9 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from trainkit_strategies.comm import Comm, Handle
-from trainkit_strategies.environment import Environment
-from trainkit_strategies.state import Segment
+from trainkit_strategies.communication.comm import Comm, Handle
+from trainkit_strategies.communication.environment import Environment
+from trainkit_strategies.state.pieces import Segment
 
 ALIGN = 16  # elements: pieces start on 64-byte boundaries for fp32 (32 for bf16)
 

@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 
-from trainkit_strategies.comm import Comm
+from trainkit_strategies.communication.comm import Comm
 
 AXES = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")  # outermost first
 

@@ -11,8 +11,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from trainkit_strategies.capabilities import SelfReducing, optimizer_extras
-from trainkit_strategies.comm import Comm
-from trainkit_strategies.memory import MemoryReport
+from trainkit_strategies.communication.comm import Comm
+from trainkit_strategies.planning.memory import MemoryReport
 
 if TYPE_CHECKING:
     from trainkit_strategies.base import Strategy

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from trainkit_strategies import state as st
 from trainkit_strategies.capabilities import SelfReducing
 from trainkit_strategies.errors import groups_fixed
+from trainkit_strategies.state import pieces as st
 
 
 class Checkpointing:
