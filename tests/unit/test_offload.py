@@ -20,7 +20,7 @@ from trainkit_strategies.data_parallel.gradients import OffloadedGradients
 from trainkit_strategies.offload import host_adam as host_adam_module
 from trainkit_strategies.offload import native
 from trainkit_strategies.offload.host_adam import HostAdam
-from trainkit_strategies.state.pieces import master as master_module
+from trainkit_strategies.state import master as master_module
 
 
 @pytest.fixture(params=["kernel", "torch"])
