@@ -78,6 +78,13 @@ def test_no_page_is_longer_than_a_reader_can_hold():
     long = {p.name: n for p in pages if (n := len(p.read_text().splitlines())) > LONGER.get(p.name, MAX_LINES)}
     assert not long, f"split by topic (pages over {MAX_LINES} lines, or over their cap in LONGER): {long}"
 
+
+def test_the_readme_lists_every_page():
+    """The README's Documentation list is the index of docs/: a page split out of another is listed there too."""
+    index = (ROOT / "README.md").read_text().split("\n## Documentation\n", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"\]\(docs/([^)#\s]+\.md)\)", index))
+    assert sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name not in listed) == []
+
 OUTSIDE = {"zero_to_fp32.py"}  # DeepSpeed's, named as the thing trainkit does differently
 
 
