@@ -53,7 +53,7 @@ def test_pipeline_refuses_a_module_without_pipeline_hooks(tmp_path):
     class Plain(Regression):
         pipeline_layers = None
 
-    with pytest.raises(TypeError, match=r"needs Plain to define pipeline_layers.*docs/strategies\.md"):
+    with pytest.raises(TypeError, match=r"needs Plain to define pipeline_layers.*docs/pipeline\.md"):
         quiet_trainer(tmp_path, strategy="pipeline", max_steps=1).fit(Plain(), loader(regression_data(8), 4))
 
 

@@ -151,7 +151,7 @@ class Pipeline(RunsSchedule):
             raise TypeError(
                 f"Strategy 'pipeline' needs {type(module).__name__} to define {' and '.join(missing)}: "
                 "pipeline_layers() -> the ordered layers whose composition is the model, and "
-                "pipeline_loss(output, batch) -> the loss on the last layer's output. See docs/strategies.md."
+                "pipeline_loss(output, batch) -> the loss on the last layer's output. See docs/pipeline.md."
             )
         self.engine = engine
         layers = list(module.pipeline_layers())
