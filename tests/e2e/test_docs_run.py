@@ -1,6 +1,6 @@
 """Every fenced block of README.md and docs/*.md runs as written (docs_blocks.py says how blocks become items).
 
-The rule that keeps this short: ``TRAINKIT_MAX_STEPS=2`` (docs/reference.md, "Trying a command quickly") stops each
+The rule that keeps this short: ``TRAINKIT_MAX_STEPS=2`` (docs/trainer.md, "Trying a command quickly") stops each
 fit two optimizer steps after it starts or resumes and has each evaluation read at most two batches. Each page
 runs in a directory of its own holding ``mypkg.py`` (the documents' user package: quickstart.md's regression model
 and data), ``train.py`` (cli.md's script), an ``input.txt`` and links to the repository's examples/, benchmarks/ and

@@ -269,7 +269,7 @@ class Counted(Regressor):  # counts the batches each loop reads
 
 
 def test_trainkit_max_steps_caps_each_fit_from_where_it_starts(tmp_path, monkeypatch, capsys):
-    """The docs test's rule (docs/reference.md): TRAINKIT_MAX_STEPS=N stops a fit N steps after it starts or resumes,
+    """The docs test's rule (docs/trainer.md): TRAINKIT_MAX_STEPS=N stops a fit N steps after it starts or resumes,
     validates there once, saves its checkpoint, and has each evaluation read at most N batches."""
     monkeypatch.setenv("TRAINKIT_MAX_STEPS", "3")
     kwargs = dict(max_epochs=5, logger=False, enable_progress_bar=False, default_root_dir=tmp_path,
