@@ -28,6 +28,7 @@ import torch
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, lazy_instance
 
 from trainkit import arguments, launcher, resume
+from trainkit.activation import resolve_mode
 from trainkit.callbacks.prediction_writer import PredictionWriter
 from trainkit.checkpoint import CheckpointError
 from trainkit.cli_parser import Parser, SaveConfigCallback
@@ -41,7 +42,7 @@ from trainkit.module import TrainModule
 from trainkit.seed import seed_everything
 from trainkit.signals import PREEMPTED_EXIT_CODE, Preempted
 from trainkit.trainer import Trainer
-from trainkit_strategies import Environment
+from trainkit_strategies import Environment, Strategy
 from trainkit_strategies.communication.comm import PeerError
 from trainkit_strategies.registry import available
 
@@ -118,6 +119,9 @@ def build_parser(model_class: type[TrainModule] | None = None,
                                  help="Machines (default: --trainer.num_nodes).")
     estimate_parser.add_argument("--device_memory", type=str | None, default=None,
                                  help='Memory of one device, e.g. "80GB" (default: the GPU\'s, if there is one).')
+    estimate_parser.add_argument("--host_memory", type=str | None, default=None,
+                                 help='Host memory of one rank, e.g. "64GB": a plan whose setup or offloaded state '
+                                      "overflows it does not fit.")
     estimate_parser.add_argument("--device_type", type=Literal["cpu", "cuda"] | None, default=None,
                                  help="Plan a run on this kind of device (default: --trainer.accelerator's); "
                                       "cuda plans a GPU run from any machine (offload's page-locked copies, "
@@ -168,10 +172,21 @@ def _estimate(parser: ArgumentParser, cfg: Namespace, sub_parser: ArgumentParser
         plan = estimate(model, batch, world_size=world, precision=args.precision, device_memory=memory,
                         activation_checkpointing=args.activation_checkpointing, device_type=device_type,
                         devices_per_node=sub_cfg.devices_per_node or devices,
-                        activation_checkpointing_every=args.activation_checkpointing_every)
+                        activation_checkpointing_every=args.activation_checkpointing_every,
+                        host_memory=sub_cfg.host_memory, strategy=_named_strategy(init.trainer.get("strategy")))
     except (ValueError, TypeError, RuntimeError) as err:
         sub_parser.error(str(err))
-    print(plan.table())
+    print(plan.table(), flush=True)
+    checkpointing = args.activation_checkpointing
+    try:  # the run's own strategy (--trainer.strategy) is refused when it cannot fit, its setup included
+        plan.refuse_unfit(resolve_mode(checkpointing) if checkpointing else None)
+    except ConfigurationError as err:
+        sub_parser.error(str(err))
+
+
+def _named_strategy(strategy: Any) -> Strategy | None:
+    """The strategy ``--trainer.strategy`` built (None for "auto": the plan is of every candidate)."""
+    return strategy if isinstance(strategy, Strategy) else None
 
 
 def _export(cfg: Namespace, parser: ArgumentParser) -> None:

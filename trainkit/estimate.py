@@ -19,7 +19,6 @@ computes with, with and without activation checkpointing.
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,35 +27,24 @@ from typing import Any
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
-from torch.optim import Optimizer
 
 from trainkit.activation import apply_activation_checkpointing
-from trainkit.manual import strategy_optimizer
-from trainkit.module import TrainModule
-from trainkit.optim import parse_optimizers
+from trainkit.errors import ConfigurationError
+from trainkit.rehearsal import heaviest, meta_copy, plan_optimizer, to_fake
 from trainkit.step import unpack_output
 from trainkit.units import human, human_count, human_or_unknown, parse_bytes
 from trainkit.work import tracked
-from trainkit_strategies import (
-    ActivationMeter,
-    Environment,
-    Precision,
-    RunsSchedule,
-    Strategy,
-    capability,
-    get_strategy,
-)
-from trainkit_strategies.communication.plan_comm import PlanComm
-from trainkit_strategies.context.huggingface import without_masks
+from trainkit_strategies import ActivationMeter, Precision, Strategy, get_strategy
 from trainkit_strategies.experts.parallel import moe_layers
-from trainkit_strategies.planning.memory import LiveBytes
 from trainkit_strategies.sharding.units import repeated_layers
 from trainkit_strategies.tensor.planned import plan_for
+
+__all__ = ["AUTO_ORDER", "HEADROOM", "STRATEGIES", "Estimate", "NoBatch", "StrategyEstimate", "choose", "estimate",
+           "first_batch", "human", "mesh_layouts", "meta_copy", "one_batch", "parse_bytes"]
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero_offload", "zero3", "fsdp", "pipeline")
 AUTO_ORDER = ("ddp", "zero1", "zero2", "fsdp", "zero_offload")  # fastest first, as strategy="auto" tries them
 HEADROOM = 0.9  # of device memory a plan may fill: the allocator's fragmentation and workspaces need the rest
-META = torch.device("meta")
 
 
 @dataclass(frozen=True)
@@ -71,7 +59,7 @@ class StrategyEstimate:
     comm: int | None = 0  # payload per optimizer step, as the strategy's own step issued it (None: no batch)
     detail: dict[str, int] = field(default_factory=dict)  # device bytes by category
     note: str = ""  # the pipeline's stage split, or why the strategy does not apply
-    setup: int = 0  # device bytes at the peak of setup (measured while the strategy builds its buckets or shards)
+    setup: int = 0  # device bytes at the peak of setup (``SetupPeak.device``: what the rank keeps, what it allocates)
     pinned: int = 0  # the page-locked part of ``host`` (what crosses the bus)
     comm_by_kind: dict[str, int] = field(default_factory=dict)  # ``comm`` by collective kind (Comm.stats's)
     rank: int = 0  # the rank planned (the heaviest: not rank 0, padding lands on the last ranks; a pipeline's stage)
@@ -79,6 +67,7 @@ class StrategyEstimate:
     name: str = ""  # the registered strategy (``strategy`` is the row's label: a layout row's degrees)
     options: dict[str, Any] = field(default_factory=dict)  # its options (a layout row's degrees)
     activations_selective: int | None = 0  # the same under selective activation checkpointing
+    setup_host: int = 0  # host bytes at the peak of setup (``SetupPeak.host``: the largest whole tensor it rebuilds)
 
     @property
     def registered(self) -> str:
@@ -107,6 +96,11 @@ class StrategyEstimate:
     def peak(self) -> int:
         return self.need()
 
+    @property
+    def host_need(self) -> int:
+        """Host bytes: the model state kept there in training (offload), or the setup's peak when that is higher."""
+        return max(self.host, self.setup_host)
+
 
 @dataclass(frozen=True)
 class Estimate:
@@ -115,61 +109,59 @@ class Estimate:
     precision: str
     rows: list[StrategyEstimate]
     device_memory: int | None = None
+    host_memory: int | None = None  # per rank
+    named: str | None = None  # the row of the run's own strategy (``estimate(strategy=...)``)
 
     def row(self, strategy: str) -> StrategyEstimate:
         return next(r for r in self.rows if r.strategy == strategy)
 
-    def fits(self, row: StrategyEstimate) -> bool | None:
-        if self.device_memory is None or not row.applies:
+    def fits(self, row: StrategyEstimate, checkpointed: bool | str | None = False) -> bool | None:
+        """Whether ``row`` fits the device memory and the host memory given, within ``HEADROOM`` of each, its setup
+        included (None: neither given, or the row does not apply)."""
+        if (self.device_memory is None and self.host_memory is None) or not row.applies:
             return None
-        return row.peak <= HEADROOM * self.device_memory
+        device = self.device_memory is None or row.need(checkpointed) <= HEADROOM * self.device_memory
+        return device and (self.host_memory is None or row.host_need <= HEADROOM * self.host_memory)
+
+    def refuse_unfit(self, checkpointing: bool | str | None = None) -> None:
+        """Raises a ``ConfigurationError`` naming the rows that fit when the run's own strategy (``named``) does not:
+        a layout whose setup alone overflows its device or host memory fails here, before any rank allocates."""
+        row = self.row(self.named) if self.named is not None else None
+        if row is None or self.fits(row, checkpointing) is not False:
+            return
+        limits = " and ".join(f"{human(n)} {where}" for n, where in ((self.device_memory, "per device"),
+                                                                       (self.host_memory, "of host memory a rank"))
+                              if n is not None)
+        others = [r.describe_choice() for r in self.rows if r is not row and self.fits(r, checkpointing)]
+        raise ConfigurationError(
+            f"{row.describe_choice()} does not fit in {limits} ({int(HEADROOM * 100)}% usable) at {self.world_size} "
+            f"ranks: its setup peaks at {human(row.setup)} on the device and {human(row.setup_host)} in host memory "
+            f"per rank, and training needs {human(row.need(checkpointing))} on the device and {human(row.host_need)} "
+            f"in host memory. "
+            + (f"These fit: {', '.join(others)}." if others else "Nothing planned fits: use more devices.")
+            + " Pick one with --trainer.strategy, or change the degrees.")
 
     def table(self) -> str:
         lines = [f"{human_count(self.parameters)} parameters, {self.world_size} rank(s), precision {self.precision}"
-                 + (f", device memory {human(self.device_memory)}" if self.device_memory else ""),
+                 + (f", device memory {human(self.device_memory)}" if self.device_memory else "")
+                 + (f", host memory {human(self.host_memory)} a rank" if self.host_memory else ""),
                  f"{'strategy':<14}{'device state':>14}{'host state':>12}{'(pinned)':>11}{'activations':>13}"
-                 f"{'(sel)':>11}{'(ckpt)':>11}{'setup peak':>12}{'comm/step':>12}  fits  note"]
+                 f"{'(sel)':>11}{'(ckpt)':>11}{'setup dev':>12}{'setup host':>12}{'comm/step':>12}  fits  note"]
         for r in self.rows:
             fits = {True: "yes", False: "no", None: "-"}[self.fits(r)]
             if not r.applies:
-                lines.append(f"{r.strategy:<14}{'':>106}  {'-':<4}  {r.note}")
+                lines.append(f"{r.strategy:<14}{'':>118}  {'-':<4}  {r.note}")
                 continue
             axes = ", ".join(f"{axis} {human(n)}" for axis, n in r.comm_by_axis.items() if n)
             note = "; ".join(x for x in (r.note, f"comm {axes}" if r.options and axes else "") if x)
             lines.append(f"{r.strategy:<14}{human(r.device):>14}{human(r.host):>12}{human(r.pinned):>11}"
                          f"{human_or_unknown(r.activations):>13}{human_or_unknown(r.activations_selective):>11}"
-                         f"{human_or_unknown(r.activations_checkpointed):>11}{human(r.setup):>12}"
+                         f"{human_or_unknown(r.activations_checkpointed):>11}{human(r.setup):>12}{human(r.setup_host):>12}"
                          f"{human_or_unknown(r.comm):>12}  {fits:<4}  {note}")
         if any(r.applies and r.activations is None for r in self.rows):
             lines.append("activations and comm/step are unknown without a batch to trace: pass --data (a DataModule)"
                          " or give the model a train_dataloader(); in Python, estimate(model, batch).")
         return "\n".join(lines)
-
-
-def meta_copy(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` whose parameters and buffers are meta tensors of the same shapes (nothing of their data
-    is copied). It shares the module's Trainer, if any, so that ``self.trainer`` reads as in the run (under
-    ``strategy="auto"`` the planner traces ``training_step`` as fit starts), but it is marked as planned: its
-    ``self.log`` records nothing there and its ``device`` is its parameters'."""
-    memo: dict[int, Any] = {}
-    trainer = getattr(module, "_trainer", None)
-    if trainer is not None:
-        memo[id(trainer)] = trainer
-    for t in [*module.parameters(), *module.buffers()]:
-        meta = torch.empty_like(t, device=META)
-        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    copied = copy.deepcopy(module, memo)
-    for sub in copied.modules():
-        if isinstance(sub, TrainModule):
-            sub._planned = True
-    return copied
-
-
-def _optimizer(module: nn.Module) -> Optimizer:
-    try:
-        return strategy_optimizer(parse_optimizers(module.configure_optimizers()))
-    except Exception:  # configure_optimizers may need a Trainer; plan with plain AdamW then
-        return torch.optim.AdamW(module.parameters())
 
 
 def _activations(module: nn.Module, batch: Any, precision: Precision, device_type: str,
@@ -187,7 +179,7 @@ def _activations(module: nn.Module, batch: Any, precision: Precision, device_typ
 
     def trace(model: nn.Module) -> int:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            _to_fake(model, device_type, dtypes)
+            to_fake(model, device_type, dtypes)
             fake = apply_to_collection(batch, torch.Tensor, lambda t: mode.from_tensor(t.to(device_type)))
             fake = precision.convert_input(fake)
             model.train()
@@ -215,103 +207,13 @@ def _activations(module: nn.Module, batch: Any, precision: Precision, device_typ
     return plain, traced[0], traced[1]
 
 
-def _to_fake(model: nn.Module, device: str, dtypes: dict[str, torch.dtype] | None) -> None:
-    """``model``'s meta parameters and buffers replaced by fake tensors on ``device`` (under a ``FakeTensorMode``),
-    each parameter in the dtype ``dtypes`` gives it. Made from their shapes, not by ``to_empty``: a fake mode first
-    converts a meta tensor passed to an operation into a fake one, which was a third of a trace's time."""
-    model._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
-    for name, p in model.named_parameters():
-        if dtypes and name in dtypes and p.dtype != dtypes[name]:
-            p.data = p.data.to(dtypes[name])
-
-
-def _setup(strategy: Strategy, module: nn.Module, precision: Precision, world_size: int, rank: int,
-           device_type: str = "cpu", devices_per_node: int | None = None) -> tuple[Any, nn.Module, int]:
-    """``strategy`` (a fresh copy of the planned one) set up on a meta copy of ``module`` as rank ``rank`` of
-    ``world_size`` with a ``PlanComm`` (every byte counted, none moved). Returns the strategy, its model and the most
-    device bytes its setup held at once. Host memory is on the meta device too; on ``device_type`` "cuda" it is laid
-    out as apart from the device's."""
-    model = meta_copy(module)
-    strategy = copy.deepcopy(strategy)
-    env = Environment(device=META, rank=rank, local_rank=rank, world_size=world_size, host=META,
-                      separate_host=device_type == "cuda", local_world_size=devices_per_node or 0)
-    strategy.setup_environment(env, comm=PlanComm(world_size, rank, META))
-    with LiveBytes(META) as setup:
-        strategy.setup(model, _optimizer(model), precision)
-    without_masks(model)  # Hugging Face models: no mask made (its code reads values a meta tensor has none of)
-    return strategy, model, setup.peak
-
-
-def _step(strategy: Any, model: nn.Module, module: nn.Module, batch: Any, precision: Precision, trace_on: str,
-          crossing: dict | None) -> dict[str, dict[str, int]]:
-    """One optimizer step of a set-up strategy taken as a run takes it (forward and backward of ``batch`` or the
-    pipeline's schedule, the reduction, the update), left at its peak: gradients still held, the optimizer state
-    created. Returns the bytes the step's collectives and transfers carried, by kind and by axis. Without a batch the
-    backward is a synthetic one that touches every parameter (model state as in a run; the bytes then leave out
-    what depends on the data)."""
-    comms = strategy.comms()
-    for comm in comms:
-        comm.stats.reset()
-    if strategy.optimizer is not None:
-        model.train()
-        _one_step(strategy, model, module, batch, precision, trace_on, crossing)
-    moved: dict[str, dict[str, int]] = {"kind": {}, "axis": {}}
-    for comm in comms:
-        for kind, n in comm.stats.bytes.items():
-            moved["kind"][kind] = moved["kind"].get(kind, 0) + n
-    seen: set[int] = set()
-    for axis, on_axis in strategy.comms_by_axis().items():
-        for comm in on_axis:
-            if id(comm) not in seen:
-                seen.add(id(comm))
-                moved["axis"][axis] = moved["axis"].get(axis, 0) + sum(comm.stats.bytes.values())
-    return moved
-
-
-def _one_step(strategy: Any, model: nn.Module, module: nn.Module, batch: Any, precision: Precision,
-              trace_on: str, crossing: dict | None) -> None:
-    meta_batch = None if batch is None else \
-        precision.convert_input(apply_to_collection(batch, torch.Tensor, lambda t: t.to(META)))
-    schedule = capability(strategy, RunsSchedule)
-    if schedule is not None and meta_batch is not None:
-        if crossing is None:
-            crossing = _crossing(strategy, module, batch, precision, trace_on)
-        schedule.expect(crossing)
-        schedule.run_schedule(model, meta_batch, 1.0)
-    elif meta_batch is not None and schedule is None:
-        with strategy.forward_context():  # on the rank's tokens (its chunks of every sequence under cp)
-            loss, _ = unpack_output(model.training_step(strategy.local_batch(meta_batch), 0))
-            if loss is not None:
-                strategy.backward(loss)
-    else:  # no data: a backward that reaches every trainable parameter this rank runs
-        params = strategy.trainable()
-        if params:
-            strategy.backward(torch.stack([p.sum() for p in params]).sum() * 0)
-    strategy.reduce_gradients(1.0)
-    strategy.optimizer_step()  # its collectives counted, its state created; gradients are still held
-
-
-def _crossing(strategy: Any, module: nn.Module, batch: Any, precision: Precision, trace_on: str,
-              dtypes: dict[str, torch.dtype] | None = None) -> dict:
-    """What crosses a planned pipeline's boundaries, traced with fake tensors where autocast runs as in the run, with
-    the parameters in the dtypes the stages compute with (the dtype of an activation crossing a boundary is the
-    forward's)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    full = strategy.activation_model(meta_copy(module), torch.device(trace_on))  # as a rank computes it
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        _to_fake(full, trace_on, dtypes)  # in the dtypes the stages compute with
-        fake = precision.convert_input(
-            apply_to_collection(batch, torch.Tensor, lambda t: mode.from_tensor(t.to(trace_on))))
-        with torch.no_grad(), precision.forward_context(torch.device(trace_on)):
-            return capability(strategy, RunsSchedule).crossing(full, fake)
-
 
 def estimate(module: nn.Module, batch: Any, world_size: int = 1, precision: str = "32",
              strategies: Sequence[str] = STRATEGIES, device_memory: str | int | None = None,
              activation_checkpointing: Sequence[type[nn.Module]] | Callable[[nn.Module], bool] | str | None = None,
              device_type: str = "cpu", layouts: Sequence[Mapping[str, int]] | None = None,
-             devices_per_node: int | None = None, activation_checkpointing_every: int = 1) -> Estimate:
+             devices_per_node: int | None = None, activation_checkpointing_every: int = 1,
+             host_memory: str | int | None = None, strategy: Strategy | None = None) -> Estimate:
     """Plan ``module`` (built on the meta device: ``with torch.device("meta"): module = MyModule()``; a real
     module is copied there) on ``world_size`` ranks, one row per strategy and per layout.
 
@@ -331,6 +233,9 @@ def estimate(module: nn.Module, batch: Any, world_size: int = 1, precision: str 
             default: those ``mesh_layouts`` finds for the module; ``[]``: none.
         devices_per_node: ranks per node (default: the world): a tensor-parallel group stays within one.
         activation_checkpointing_every: checkpoint one selected module in this many (the Trainer's option).
+        host_memory: bytes of host memory per rank ("64GB") to say which plans fit, their setup included.
+        strategy: the run's own strategy (a built one, its options set): planned as the row named after it (in
+            place of that name's row), which ``Estimate.refuse_unfit`` checks.
     """
     if not getattr(module, "automatic_optimization", True):
         batch = None
@@ -339,21 +244,24 @@ def estimate(module: nn.Module, batch: Any, world_size: int = 1, precision: str 
     policy = Precision.from_name(precision)
     trace_on = device_type if device_type == "cpu" or torch.cuda.is_available() else "cpu"
     traced: dict[tuple, tuple[int, int, int]] = {}  # per set of parameter dtypes a strategy computes with
-    optimizer = _optimizer(meta_copy(module))
+    optimizer = plan_optimizer(meta_copy(module))
     if layouts is None:
         layouts = mesh_layouts(module, world_size, devices_per_node)
-    candidates = [(name, name, {}) for name in strategies]
-    candidates += [(layout_label(degrees, world_size), "parallel", dict(degrees)) for degrees in layouts]
+    candidates: list[tuple[str, str, dict, Strategy | None]] = [(name, name, {}, None) for name in strategies]
+    candidates += [(layout_label(degrees, world_size), "parallel", dict(degrees), None) for degrees in layouts]
+    named = None if strategy is None else strategy.name
+    if strategy is not None:
+        candidates = [(named, named, {}, strategy)] + [c for c in candidates if c[0] != named]
     rows = []
-    for label, name, options in tracked(candidates, f"planning {len(candidates)} strategies and layouts "
-                                                    f"at {world_size} ranks", label=lambda c: c[0]):
+    for label, name, options, given in tracked(candidates, f"planning {len(candidates)} strategies and layouts "
+                                                           f"at {world_size} ranks", label=lambda c: c[0]):
         try:
-            strategy = get_strategy(name, **options)
+            strategy = given if given is not None else get_strategy(name, **options)
             unfit = strategy.unfit_for(module, optimizer)
             if unfit is not None:
                 rows.append(StrategyEstimate(label, note=f"n/a: {unfit}", name=name, options=options))
                 continue
-            strategy, setup_peak, moved = _heaviest(strategy, module, policy, world_size, batch, device_type,
+            strategy, setup_peak, moved = heaviest(strategy, module, policy, world_size, batch, device_type,
                                                     trace_on, devices_per_node)
         except ValueError as err:  # a layout the model does not divide into (heads, layers), say
             rows.append(StrategyEstimate(label, note=f"n/a: {err}", name=name, options=options))
@@ -371,11 +279,13 @@ def estimate(module: nn.Module, batch: Any, world_size: int = 1, precision: str 
         report = strategy.memory_report()
         rows.append(StrategyEstimate(label, report.device_total, report.host_total, plain, checkpointed,
                                      sum(moved["kind"].values()) if batch is not None else None, dict(report.device),
-                                     strategy.describe(), setup_peak, report.pinned, moved["kind"], strategy.rank,
-                                     moved["axis"] if batch is not None else {}, name, options, selective))
+                                     strategy.describe(), setup_peak.device, report.pinned, moved["kind"],
+                                     strategy.rank, moved["axis"] if batch is not None else {}, name, options,
+                                     selective, setup_peak.host))
     params = sum(p.numel() for p in module.parameters())
     memory = parse_bytes(device_memory) if device_memory is not None else None
-    return Estimate(params, world_size, policy.name, rows, memory)
+    host = parse_bytes(host_memory) if host_memory is not None else None
+    return Estimate(params, world_size, policy.name, rows, memory, host, named)
 
 
 def mesh_layouts(module: nn.Module, world_size: int, devices_per_node: int | None = None) -> list[dict[str, int]]:
@@ -405,24 +315,6 @@ def layout_label(degrees: Mapping[str, int], world_size: int) -> str:
     return " ".join(p for p in parts if p) or "parallel"
 
 
-def _heaviest(strategy: Strategy, module: nn.Module, precision: Precision, world_size: int, batch: Any,
-              device_type: str, trace_on: str,
-              devices_per_node: int | None = None) -> tuple[Any, int, dict[str, dict[str, int]]]:
-    """The strategy as set up on the rank that holds the most, of the ranks it says differ (``planned``). A schedule
-    is planned with what crosses its boundaries, traced once, after every stage is set up (each converts its own
-    parameters to the dtypes it computes with) and before any steps."""
-    planned, ranks = strategy.planned(module, world_size)
-    built = [_setup(planned, module, precision, world_size, r, device_type, devices_per_node) for r in ranks]
-    crossing = None
-    if capability(planned, RunsSchedule) is not None and batch is not None:  # stages' parameters in compute dtypes
-        initial = {n: p.dtype for n, p in module.named_parameters()}
-        dtypes = dict(initial)
-        for stage, _, _ in built:  # a stage converts its own parameters only
-            dtypes |= {n: p.dtype for n, p in stage.module.named_parameters() if p.dtype != initial.get(n, p.dtype)}
-        crossing = _crossing(built[0][0], module, batch, precision, trace_on, dtypes)
-    setups = [(s, peak, _step(s, model, module, batch, precision, trace_on, crossing)) for s, model, peak in built]
-    return max(setups, key=lambda s: s[0].memory_report().device_total)
-
 
 def one_batch(module: nn.Module, data: Any = None) -> Any:
     """The first training batch of ``data`` (a DataModule) or of the module's own ``train_dataloader``."""
@@ -450,12 +342,10 @@ def choose(plan: Estimate, checkpointing: bool | str | None) -> StrategyEstimate
     headroom (activations as ``checkpointing`` says: False, "full" or "selective"); raises, naming the smallest
     plan, if none does."""
     assert plan.device_memory is not None
-    limit = HEADROOM * plan.device_memory
-
     by_name = sorted((r for r in plan.rows if r.strategy in AUTO_ORDER), key=lambda r: AUTO_ORDER.index(r.strategy))
     rows = [row for row in by_name + [r for r in plan.rows if r.options] if row.applies]
     for row in rows:
-        if row.need(checkpointing) <= limit:
+        if plan.fits(row, checkpointing):
             return row
     smallest = min(rows, key=lambda row: row.need(checkpointing))
     activations = smallest.activations_under(checkpointing)

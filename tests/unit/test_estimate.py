@@ -543,3 +543,21 @@ def test_an_expert_parallel_layout_is_planned_with_its_all_to_all_bytes():
         return strategy.memory_report().device_total
 
     assert world.run(rank)[row.rank] == row.device
+
+
+def test_the_runs_own_layout_is_refused_when_its_setup_cannot_fit_naming_those_that_do():
+    """A layout whose training fits but whose setup overflows the host (one whole tensor rebuilt at a time) or the
+    device is refused with one error naming the rows that fit; one that fits passes."""
+    from trainkit.errors import ConfigurationError
+    from trainkit.estimate import Estimate, StrategyEstimate
+
+    rows = [StrategyEstimate("pp4 tp8", device=10, setup=12, setup_host=70, name="parallel", options={"tp": 8}),
+            StrategyEstimate("fsdp", device=20, setup=30, setup_host=40),
+            StrategyEstimate("ddp", device=20, setup=95, setup_host=40)]
+    plan = Estimate(1, 32, "32", rows, device_memory=100, host_memory=50, named="pp4 tp8")
+    with pytest.raises(ConfigurationError) as err:
+        plan.refuse_unfit()
+    message = str(err.value)
+    assert "setup peaks at 12 B on the device and 70 B in host memory" in message, message
+    assert "These fit: fsdp." in message, message  # not ddp: its setup overflows the device's 90%
+    Estimate(1, 32, "32", rows, device_memory=100, host_memory=50, named="fsdp").refuse_unfit()

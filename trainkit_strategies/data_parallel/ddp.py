@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -275,7 +275,7 @@ class DDPStrategy(Strategy):
         """The gradients are the buckets, held between steps whether or not a ``.grad`` points into them."""
         report = super().memory_report()
         held = sum(b.buffer.untyped_storage().nbytes() for b in self._buckets)
-        return MemoryReport({**report.device, "grads": held}, report.host, report.pinned)
+        return replace(report, device={**report.device, "grads": held})
 
     def teardown(self) -> None:
         """The gradient hooks off: a backward outside the strategy's sums nothing across ranks; the strategy's next

@@ -26,6 +26,7 @@ hundred steps of warm-up; here it is on from the first step, or off).
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -187,7 +188,7 @@ class ZeroOffloadStrategy(StepsInBackward, Zero2Strategy):
         spare = sum(t.untyped_storage().nbytes() for t in self._spare)  # page-locked, as the partition it swaps with
         pinned = spare if self.env.host_is_separate else 0
         host = {**report.host, "grads": report.host["grads"] + spare}
-        return MemoryReport(report.device, host, report.pinned + pinned)
+        return replace(report, host=host, pinned=report.pinned + pinned)
 
     def teardown(self) -> None:
         self._settle_step()

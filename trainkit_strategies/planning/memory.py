@@ -6,7 +6,7 @@ import threading
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -23,11 +23,13 @@ class MemoryReport:
     Categories: ``params`` (working parameters), ``grads``, ``master`` (fp32 master copies kept beside
     low-precision params), ``optimizer`` (optimizer state), ``buffers``. Tensors sharing a storage are
     counted once. ``pinned``: the part of the host bytes that is page-locked (what crosses the bus under offload).
+    ``storages``: those counted on the device, by identity (what a planner checks the model as built against).
     """
 
     device: dict[str, int]
     host: dict[str, int]
     pinned: int = 0
+    storages: frozenset = field(default=frozenset(), compare=False, repr=False)
 
     @property
     def device_total(self) -> int:
@@ -57,8 +59,9 @@ class MemoryReport:
             return total
 
         device_bytes = {k: count(v) for k, v in device.items()}
+        on_device = frozenset(seen)
         host_bytes = {k: count(v, on_host=True) for k, v in (host or {}).items()}
-        return cls(device_bytes, host_bytes, pinned)
+        return cls(device_bytes, host_bytes, pinned, on_device)
 
 
 page_locked: weakref.WeakSet = weakref.WeakSet()  # storages of host buffers page-locked for the bus (hostcopy.py)
@@ -69,16 +72,19 @@ class LiveBytes(TorchDispatchMode):
     """The most bytes alive at once in storages created on ``device`` while active (meta and fake tensors count their
     size; a storage resized to nothing counts nothing), leaving out host memory planned on the meta device
     (``planned_host``): what a strategy's setup holds on the device at its peak, measured by ``trainkit estimate``
-    on meta tensors. Tensors that existed before are not counted.
+    on meta tensors; with ``host``, that host memory only. Tensors that existed before are not counted, nor the
+    storages ``existing`` names (by ``_storage_key``) when an operation returns a view of one.
 
     The total is kept as it changes, not summed anew at every operation (which cost half of planning a large model):
     a storage counts from the operation that made it until it dies; an operation's outputs are measured again (an
     in-place resize); a resize outside the dispatcher goes through ``resize_storage`` and host memory planned on the
     meta device through ``plan_host``, both of which tell the meters running."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, host: bool = False, existing: frozenset = frozenset()) -> None:
         super().__init__()
         self.device = device
+        self.host = host
+        self.existing = existing
         self.peak = 0
         self._total = 0
         self._counted: dict[object, tuple[weakref.ref, int]] = {}  # storage key -> (the storage, the bytes counted)
@@ -86,10 +92,12 @@ class LiveBytes(TorchDispatchMode):
     def measure(self, t: Tensor) -> None:
         """Counts ``t``'s storage as it is now (a new storage from now on, a known one at its current size)."""
         storage, key = t.untyped_storage(), _storage_key(t)
+        if key in self.existing:
+            return
         ref, counted = self._counted.get(key, (None, 0))
         if ref is None or ref() is not storage:  # new (or a dead storage's address reused)
             ref, counted = weakref.ref(storage, partial(self._died, key)), 0
-        now = 0 if storage in planned_host else storage.nbytes()
+        now = storage.nbytes() if (storage in planned_host) == self.host else 0
         self._total += now - counted
         self._counted[key] = (ref, now)
 
