@@ -20,6 +20,7 @@ from trainkit.data import DataModule
 from trainkit.errors import ConfigurationError
 from trainkit.module import TrainModule
 from trainkit.trainer import Trainer
+from trainkit_strategies.registry import MOVED
 
 
 class Parser(ArgumentParser):
@@ -57,8 +58,8 @@ class Parser(ArgumentParser):
         parser = getattr(ex, "subcommand_parser", None) or self
         prog = parser.prog.replace(" [options]", "")
         if not (os.environ.get("TRAINKIT_LAUNCHED") and os.environ.get("RANK", "0") != "0"):
-            sys.stderr.write(f"{prog.split()[0]}: error: {_essential(message)}\nRun `{prog} --help` for the "
-                             "accepted options.\n")
+            sys.stderr.write(f"{prog.split()[0]}: error: {_moved(_essential(message))}\nRun `{prog} --help` for "
+                             "the accepted options.\n")
         self.exit(2)
 
 
@@ -82,6 +83,12 @@ def _essential(message: str) -> str:
             depth = 1 << 30
     chosen = [" ".join(r) for r in reasons if not r[0].startswith("Expected a")]
     return key + chosen[0] if chosen else message
+
+
+def _moved(message: str) -> str:
+    """``message`` and, where it refuses an option strategies took in an older trainkit, where that is set now."""
+    refused = re.search(r"Option '(\w+)' is not accepted", message)
+    return f"{message}\n{MOVED[refused[1]]}" if refused and refused[1] in MOVED else message
 
 
 class SaveConfigCallback(Callback):

@@ -53,6 +53,7 @@ class Trainer(TrainerProperties):
             every visible GPU under CUDA, 1 on the CPU (one device); GPU indices ``[0, ..., n-1]`` are ``n``.
         num_nodes: machines in the run (set by torchrun/SLURM).
         precision: "32", "bf16-mixed", "16-mixed" or "bf16-true".
+        reduce_dtype: dtype gradients are summed across ranks in ("fp32", "bf16", "fp16"); None: their own dtype.
         max_epochs: stop after this many epochs (default 1000 when max_steps is not set either).
         min_epochs: train at least this many epochs: until then (and min_steps), ``should_stop`` (EarlyStopping's,
             max_time's) waits.
@@ -129,6 +130,7 @@ class Trainer(TrainerProperties):
         devices: int | str | list[int] = 1,
         num_nodes: int = 1,
         precision: str = "32",
+        reduce_dtype: str | None = None,
         max_epochs: int | None = None,
         min_epochs: int | None = None,
         max_steps: int = -1,
@@ -178,7 +180,7 @@ class Trainer(TrainerProperties):
         accelerator = arguments.resolve_accelerator(accelerator)
         devices = arguments.resolve_devices(devices, accelerator)
         self.max_time = arguments.parse_max_time(max_time)
-        self.precision = Precision.from_name(precision)
+        self.precision = Precision.from_name(precision, reduce_dtype=reduce_dtype)
         self.device_memory = parse_bytes(device_memory) if device_memory is not None else None
         self._auto = False  # strategy="auto" on several ranks: the plan is chosen when fit starts
         self.default_root_dir = Path(default_root_dir)
@@ -471,10 +473,8 @@ class Trainer(TrainerProperties):
         if not self.is_global_zero:
             return
         params = {"model": dict(self.module.hparams)} if self.module is not None else {}
-        params["trainer"] = {
-            "strategy": self.strategy.name, "precision": self.precision.name, "world_size": self.world_size,
-            "accumulate_grad_batches": self.accumulate_grad_batches, "max_steps": self.max_steps,
-            "max_epochs": self.max_epochs, "seed": self.seed,
-        }
+        params["trainer"] = {"strategy": self.strategy.name, "precision": self.precision.name,
+                             "world_size": self.world_size, "accumulate_grad_batches": self.accumulate_grad_batches,
+                             "max_steps": self.max_steps, "max_epochs": self.max_epochs, "seed": self.seed}
         for lg in self.loggers:
             lg.log_hyperparams(params)

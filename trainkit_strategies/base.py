@@ -29,6 +29,7 @@ from trainkit_strategies.capabilities import check_optimizer
 from trainkit_strategies.communication.comm import Comm
 from trainkit_strategies.communication.environment import Environment
 from trainkit_strategies.communication.norms import local_norm
+from trainkit_strategies.errors import ConfigurationError
 from trainkit_strategies.parts import GradientParts
 from trainkit_strategies.planning.reports import Planning
 from trainkit_strategies.precision import Precision
@@ -62,6 +63,8 @@ class Strategy(Ranks, GradientParts, Checkpointing, Planning, ABC):
     splits_backward: ClassVar[bool] = True  # a backward may leave its weight gradients to a later pass (zero bubble)
     manual_optimization: ClassVar[bool] = True  # steps whenever its caller says, over a window of any backwards, one
     # optimizer of several at a time (Lightning's manual optimization): not where steps run in backward or by stage
+    any_reduce_dtype: ClassVar[bool] = False  # reduces gradients in the precision policy's reduce_dtype, whatever it
+    # is (it keeps them in buffers of its own); otherwise in the parameters' dtype, where autograd leaves them
 
     def __init__(self) -> None:
         self.env = Environment()
@@ -103,6 +106,13 @@ class Strategy(Ranks, GradientParts, Checkpointing, Planning, ABC):
     def _bind(self, module: nn.Module, optimizer: Optimizer | None, precision: Precision) -> None:
         """Take ``module``, ``optimizer`` and ``precision`` on, recording the optimizer's param groups by name."""
         check_optimizer(self, optimizer)
+        reduce_dtype = precision.reduce_dtype
+        if not (self.any_reduce_dtype or reduce_dtype in (None, precision.param_dtype)):
+            raise ConfigurationError(
+                f"{self.name} sums gradients in the parameters' dtype ({precision.param_dtype}), where autograd leaves "
+                f"them, and cannot reduce them in reduce_dtype={reduce_dtype}: leave reduce_dtype unset, or use a "
+                "strategy that keeps gradients in buffers of their own (zero1, zero2, zero_offload, zero3, fsdp, or "
+                "parallel with one of them).")
         self.module, self.optimizer, self.precision = module, optimizer, precision
         if optimizer is not None:
             self._group_names = st.group_names_of(optimizer, st.param_names(module))

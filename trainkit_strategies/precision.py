@@ -4,7 +4,9 @@ A policy says what a strategy and the optimizer step need: the dtype parameters 
 forward runs in (through autocast), and, under "16-mixed", the loss scaler it owns (as Lightning's precision plugin
 owns its GradScaler): the step asks the policy for the loss scale and whether a step is skipped, and never for a
 scaler. Sharded strategies (ZeRO) read ``compute_dtype`` to keep low-precision working parameters beside fp32
-master shards. ``dtype_named`` checks every dtype option (``reduce_dtype``) in one place.
+master shards. The policy also says what gradients are summed across ranks in (``reduce_dtype``, FSDP2's
+``MixedPrecisionPolicy.reduce_dtype``): set once, for every strategy, instead of an option of each; a strategy that
+cannot reduce in it refuses it at setup. ``dtype_named`` checks every dtype option in one place.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
 DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-               "fp16": torch.float16, "float16": torch.float16}  # what options such as ``reduce_dtype`` accept
+               "fp16": torch.float16, "float16": torch.float16}  # what dtype options (``reduce_dtype``) accept
 
 
 def dtype_named(name: str | None, option: str) -> torch.dtype | None:
@@ -40,6 +42,8 @@ class Precision:
         compute_dtype: dtype the forward pass runs in under autocast; ``None`` means no autocast.
         loss_scaling: scale the loss dynamically so fp16 gradients do not underflow.
         scaler: the loss scaler of a policy with ``loss_scaling`` (its state is the run's: checkpointed).
+        reduce_dtype: dtype gradients are summed across ranks and accumulated in; ``None``: the gradients' own
+            (the working parameters'). fp32 under bf16-mixed sums bf16 gradients exactly, at twice the bytes.
     """
 
     name: str
@@ -47,23 +51,27 @@ class Precision:
     compute_dtype: torch.dtype | None
     loss_scaling: bool
     scaler: DynamicLossScaler | None = field(default=None, compare=False, repr=False)
+    reduce_dtype: torch.dtype | None = None
 
     @classmethod
-    def from_name(cls, name: str | int, scaler: DynamicLossScaler | None = None) -> Precision:
-        """The policy ``name`` names; "16-mixed" with ``scaler`` (default: a new ``DynamicLossScaler``)."""
+    def from_name(cls, name: str | int, scaler: DynamicLossScaler | None = None,
+                  reduce_dtype: str | None = None) -> Precision:
+        """The policy ``name`` names; "16-mixed" with ``scaler`` (default: a new ``DynamicLossScaler``); gradients
+        reduced in ``reduce_dtype`` ("fp32", "bf16", "fp16" or their long names; None: their own dtype)."""
         name = str(name)
         aliases = {"32-true": "32", "fp32": "32", "bf16": "bf16-mixed", "16": "16-mixed"}
         name = aliases.get(name, name)
+        reduced = dtype_named(reduce_dtype, "reduce_dtype")
         if scaler is not None and name != "16-mixed":
             raise ValueError(f"Precision {name!r} scales no loss; a loss scaler goes with '16-mixed' only.")
         if name == "32":
-            return cls(name, torch.float32, None, False)
+            return cls(name, torch.float32, None, False, reduce_dtype=reduced)
         if name == "bf16-mixed":
-            return cls(name, torch.float32, torch.bfloat16, False)
+            return cls(name, torch.float32, torch.bfloat16, False, reduce_dtype=reduced)
         if name == "16-mixed":
-            return cls(name, torch.float32, torch.float16, True, scaler or DynamicLossScaler())
+            return cls(name, torch.float32, torch.float16, True, scaler or DynamicLossScaler(), reduced)
         if name == "bf16-true":
-            return cls(name, torch.bfloat16, None, False)
+            return cls(name, torch.bfloat16, None, False, reduce_dtype=reduced)
         raise ValueError(f"Unknown precision {name!r}; choose one of {', '.join(PRECISIONS)}.")
 
     @property
@@ -90,6 +98,12 @@ class Precision:
     def working_dtype(self) -> torch.dtype:
         """The dtype sharded strategies keep working parameters (and gradients) in."""
         return self.compute_dtype or self.param_dtype
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The dtype a strategy that keeps working parameters reduces and accumulates gradients in: ``reduce_dtype``,
+        by default the working parameters' (the dtype autograd leaves their gradients in)."""
+        return self.reduce_dtype or self.working_dtype
 
     @property
     def master_dtype(self) -> torch.dtype:

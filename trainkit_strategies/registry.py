@@ -7,6 +7,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from trainkit_strategies.base import Strategy
+from trainkit_strategies.errors import ConfigurationError
 
 _BUILTIN = {
     "single": "trainkit_strategies.data_parallel.single:SingleStrategy",
@@ -18,6 +19,12 @@ _BUILTIN = {
     "fsdp": "trainkit_strategies.sharding.fsdp:FSDPStrategy",
     "pipeline": "trainkit_strategies.parallel.pipeline:PipelineStrategy",
     "parallel": "trainkit_strategies.parallel.strategy:ParallelStrategy",
+}
+MOVED = {  # options strategies took once, and where they are set now (an old config is told, not just refused)
+    "reduce_dtype": "reduce_dtype is no longer a strategy option: it is the precision policy's, one setting for every "
+                    "strategy. Set it on the Trainer: --trainer.reduce_dtype fp32 on the command line, `reduce_dtype: "
+                    "fp32` under `trainer:` in a config file, Trainer(reduce_dtype=\"fp32\") in Python (driving a "
+                    "strategy by hand: Precision.from_name(precision, reduce_dtype=\"fp32\") passed to setup).",
 }
 
 
@@ -45,4 +52,7 @@ def strategy_class(name: str) -> type[Strategy]:
 
 def get_strategy(name: str, **options: Any) -> Strategy:
     """Build the strategy registered as ``name`` with its constructor options."""
+    moved = [MOVED[option] for option in options if option in MOVED]
+    if moved:
+        raise ConfigurationError(moved[0])
     return strategy_class(name)(**options)

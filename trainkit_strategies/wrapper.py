@@ -26,6 +26,7 @@ class Wrapper(Strategy):
 
     inner: Strategy
     accepts_new_groups = False  # see refresh_groups
+    any_reduce_dtype = True  # the inner engine reduces the gradients, and refuses a reduce_dtype it cannot keep
 
     @property
     def dp_rank(self) -> int:

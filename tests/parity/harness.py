@@ -108,6 +108,7 @@ class Case:
     # that can step during backward does: zero_offload's overlapped host step)
     sends_twice: bool = False  # a guard: every reduce-scatter and all-gather is sent a second time (on copies)
     watch_saved: bool = False  # measure the bytes autograd holds for backward (HeldActivations): peaks' "held"
+    reduce_dtype: str | None = None  # the precision policy's: what gradients are summed across ranks in
 
     def replicas(self, world_size: int) -> int:
         """Data-parallel replicas: the ranks of one pipeline, of one tensor-parallel and of one context-parallel group
@@ -365,7 +366,8 @@ def run_case(case: Case, world_size: int, per_rank_batch: int, accelerator: str)
         accelerator=accelerator,
         activation_checkpointing=[Block] if case.checkpointing is True else case.checkpointing or None,
         val_check_interval=5 if case.validate else None,
-        strategy=strategy, precision=case.precision, accumulate_grad_batches=case.accumulate, compile=case.compile,
+        strategy=strategy, precision=case.precision, reduce_dtype=case.reduce_dtype,
+        accumulate_grad_batches=case.accumulate, compile=case.compile,
         gradient_clip_val=case.clip, gradient_clip_algorithm=case.clip_algorithm, max_steps=case.steps, seed=0,
         logger=False, enable_progress_bar=False, enable_checkpointing=False, num_sanity_val_steps=0,
         callbacks=[probe] + ([held] if held is not None else []),
@@ -399,7 +401,8 @@ def run_reference(case: Case, world_size: int) -> Result:
     """The single-process run on the whole global batch, on the device type the ranks ran on, held to a plain
     PyTorch loop (``tests/parity/plain.py``) on the same batches first: every strategy compared with this result is
     compared, through ``single``, with that loop."""
-    single = Case(**{**asdict(case), "name": "reference", "strategy": "single", "options": {}, "compile": False})
+    single = Case(**{**asdict(case), "name": "reference", "strategy": "single", "options": {}, "compile": False,
+                     "reduce_dtype": None})
     replicas = case.replicas(world_size)
     key = json.dumps([asdict(single), replicas, accelerator_for(world_size)], sort_keys=True, default=str)
     if key not in _REFERENCES:

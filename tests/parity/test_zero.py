@@ -38,11 +38,10 @@ CASES = [
     Case("zero_offload-overlap-bf16-acc4-num_items", "zero_offload", {**SMALL, "ratio": 0.5, "overlap_step": True},
          precision="bf16-mixed", accumulate=4, model="masked", probe_grads=False),
     # gradients summed across ranks in fp32 under bf16-mixed (reduce_dtype), whole and partitioned, and offloaded
-    Case("zero1-bf16-reduce-fp32-acc2", "zero1", {**SMALL, "reduce_dtype": "fp32"}, precision="bf16-mixed",
-         accumulate=2, clip=0.05),
-    Case("zero2-bf16-reduce-fp32-acc2", "zero2", {**SMALL, "reduce_dtype": "fp32"}, precision="bf16-mixed",
-         accumulate=2),
-    Case("zero_offload-bf16-reduce-fp32", "zero_offload", {**SMALL, "reduce_dtype": "fp32"}, precision="bf16-mixed",
+    Case("zero1-bf16-reduce-fp32-acc2", "zero1", SMALL, precision="bf16-mixed", reduce_dtype="fp32", accumulate=2,
+         clip=0.05),
+    Case("zero2-bf16-reduce-fp32-acc2", "zero2", SMALL, precision="bf16-mixed", reduce_dtype="fp32", accumulate=2),
+    Case("zero_offload-bf16-reduce-fp32", "zero_offload", SMALL, precision="bf16-mixed", reduce_dtype="fp32",
          accumulate=2, clip=0.05),
     # the bytes on the wire, on an MLP whose buckets' padding is small beside its parameters (1,281): the bound
     # below then tells one send from two, as the last case (sending everything twice) shows

@@ -104,10 +104,16 @@ def test_the_step_after_an_overflow_skip_is_whole(name, options, optimizer, lr):
 
 
 
-@pytest.mark.parametrize("name", ["zero1", "zero2", "zero_offload"])
-def test_reduce_dtype_fp32_sums_bf16_gradients_exactly_where_bf16_rounds(name):
-    """``reduce_dtype="fp32"`` under bf16-mixed at 4 ranks: the reduced gradient is the exact mean of the ranks' bf16
-    gradients to fp32 rounding, where the default bf16 sum is off by bf16's rounding of its partial sums."""
+REDUCERS = [("zero1", {}), ("zero2", {}), ("zero_offload", {}), ("zero3", {}), ("fsdp", {}),
+            ("parallel", {}), ("parallel", {"data_parallel": "zero2"})]  # every engine that reduces in reduce_dtype
+
+
+@pytest.mark.parametrize(("name", "options"), REDUCERS,
+                         ids=[f"{n}-{o['data_parallel']}" if o else n for n, o in REDUCERS])
+def test_reduce_dtype_fp32_sums_bf16_gradients_exactly_where_bf16_rounds(name, options):
+    """The precision policy's ``reduce_dtype="fp32"`` under bf16-mixed at 4 ranks: the reduced gradient is the exact
+    mean of the ranks' bf16 gradients to fp32 rounding, where the default bf16 sum is off by bf16's rounding of its
+    partial sums; under every engine that reduces in it (``parallel``: its fsdp engine, and zero2 by name)."""
     from trainkit.demo.gpt import DemoGPT
 
     world_size, gen = 4, torch.Generator().manual_seed(3)
@@ -134,9 +140,10 @@ def test_reduce_dtype_fp32_sums_bf16_gradients_exactly_where_bf16_rounds(name):
         models = [model() for _ in range(world_size)]
 
         def rank(r: int) -> dict[str, torch.Tensor]:
-            strategy = get_strategy(name, reduce_dtype=reduce_dtype)
+            strategy = get_strategy(name, **options)
             strategy.setup_environment(Environment(rank=r, world_size=world_size), comm=world.comm(r))
-            strategy.setup(models[r], torch.optim.AdamW(models[r].parameters()), Precision.from_name("bf16-mixed"))
+            strategy.setup(models[r], torch.optim.AdamW(models[r].parameters()),
+                           Precision.from_name("bf16-mixed", reduce_dtype=reduce_dtype))
             with strategy.forward_context():
                 loss = loss_of(models[r], r)
             strategy.backward(loss)

@@ -59,17 +59,18 @@ class ZeroOffloadStrategy(StepsInBackward, Zero2Strategy):
         delayed_update: run each host step in the background, overlapping the next step's forward and
             backward, which then see parameters one step old (ZeRO-Offload's DPU; changes the numbers).
         broadcast_buffers: broadcast rank 0's floating-point buffers after every step, as ddp does.
-        reduce_dtype: dtype gradients are reduce-scattered, copied to the host and accumulated in; default: the
-            compute dtype (see ``zero2``).
+
+    Gradients are reduce-scattered, copied to the host and accumulated in the precision policy's ``grad_dtype``
+    (see ``zero2``).
     """
 
     name = "zero_offload"
     manual_optimization = False  # its host step may run during the window's last backward
 
     def __init__(self, bucket_mb: float = 25.0, offload: bool = True, ratio: float = 1.0,
-                 overlap_step: bool | None = None, delayed_update: bool = False, broadcast_buffers: bool = True,
-                 reduce_dtype: str | None = None) -> None:
-        super().__init__(bucket_mb, offload, ratio, broadcast_buffers, reduce_dtype)
+                 overlap_step: bool | None = None, delayed_update: bool = False,
+                 broadcast_buffers: bool = True) -> None:
+        super().__init__(bucket_mb, offload, ratio, broadcast_buffers)
         if delayed_update and not offload:
             raise ValueError("zero_offload delayed_update needs offload=True: it delays the host step.")
         self.overlap_step, self.delayed_update = overlap_step, delayed_update

@@ -42,7 +42,7 @@ from trainkit_strategies.data_parallel.gradients import (
 from trainkit_strategies.data_parallel.onebit import SignReduceScatter
 from trainkit_strategies.offload.hostcopy import mark
 from trainkit_strategies.planning.memory import MemoryReport
-from trainkit_strategies.precision import Precision, dtype_named
+from trainkit_strategies.precision import Precision
 from trainkit_strategies.state import pieces as st
 from trainkit_strategies.state.flat import BucketReducer, FlatBucket, OrderedLauncher, first_bucket_bytes, pack
 from trainkit_strategies.state.master import DeferredGradScale, FixedGroups, MasterShards
@@ -57,25 +57,25 @@ class ZeroStrategy(DeferredGradScale, FixedGroups, Strategy):
         ratio: with ``offload``, the fraction of each group's optimizer state kept on the host.
         broadcast_buffers: broadcast rank 0's floating-point buffers (e.g. BatchNorm statistics) after
             every step, as ddp does.
-        reduce_dtype: dtype gradients are reduce-scattered and accumulated in ("fp32", "bf16", "fp16"); default:
-            the compute dtype. "fp32" under bf16-mixed sums the ranks' gradients in fp32 (as DeepSpeed's
-            ``communication_data_type``), at twice the bytes.
+
+    Gradients are reduce-scattered and accumulated in the precision policy's ``grad_dtype`` (``reduce_dtype``,
+    default the compute dtype; fp32 under bf16-mixed is DeepSpeed's ``communication_data_type``).
     """
 
     gradient_layout: ClassVar[type[GradientLayout]] = WholeGradients
     data_axis = "dp_shard"
     offloaded_layout: ClassVar[type[GradientLayout] | None] = None  # the layout under ``offload``, if it differs
+    any_reduce_dtype = True
 
     def __init__(self, bucket_mb: float = 25.0, offload: bool = False, ratio: float = 1.0,
-                 broadcast_buffers: bool = True, reduce_dtype: str | None = None) -> None:
+                 broadcast_buffers: bool = True) -> None:
         super().__init__()
         self.broadcast_buffers = broadcast_buffers
         if not bucket_mb > 0:
             raise ValueError(f"{self.name} bucket_mb must be positive; got {bucket_mb}.")
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"{self.name} ratio must be in [0, 1]; got {ratio}.")
-        self._reduce_dtype = dtype_named(reduce_dtype, f"{self.name} reduce_dtype")
-        self.bucket_mb, self.offload, self.ratio, self.reduce_dtype = bucket_mb, offload, ratio, reduce_dtype
+        self.bucket_mb, self.offload, self.ratio = bucket_mb, offload, ratio
         self.buckets: list[FlatBucket] = []  # every bucket, in launch order
         self.grads: GradientLayout = self._layout()
         self.launcher = OrderedLauncher([], self._launch)
@@ -101,8 +101,9 @@ class ZeroStrategy(DeferredGradScale, FixedGroups, Strategy):
 
     @property
     def grad_dtype(self) -> torch.dtype:
-        """The dtype gradients are reduce-scattered and kept in (``reduce_dtype``, default the compute dtype)."""
-        return self._reduce_dtype or self.precision.working_dtype
+        """The dtype gradients are reduce-scattered and kept in (the policy's ``reduce_dtype``, default the compute
+        dtype)."""
+        return self.precision.grad_dtype
 
     @property
     def syncing(self) -> bool:

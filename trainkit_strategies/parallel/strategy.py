@@ -45,7 +45,7 @@ from trainkit_strategies.experts.context import ExpertContext, expert_context
 from trainkit_strategies.experts.parallel import ExpertParallel
 from trainkit_strategies.pipeline.executor import STAGE_AXES, Pipeline, check_schedule
 from trainkit_strategies.pipeline.microbatches import missing_hooks
-from trainkit_strategies.precision import Precision, dtype_named
+from trainkit_strategies.precision import Precision
 from trainkit_strategies.registry import get_strategy, strategy_class
 from trainkit_strategies.state import pieces as st
 from trainkit_strategies.tensor.huggingface import indivisible_heads
@@ -89,7 +89,8 @@ class ParallelStrategy(Wrapper, Parallelizes):
         sequence_parallel: under tp, shard the regions between tensor-parallel layers along the sequence too (the
             activations of norms, dropouts and residuals divided by tp; the same bytes communicated).
         microbatches, schedule, virtual_stages, split: the pipeline's, as for ``strategy="pipeline"``.
-        reshard_after_forward, prefetch, reduce_dtype: the sharding engine's, as for ``fsdp``.
+        reshard_after_forward, prefetch: the sharding engine's, as for ``fsdp`` (its reduce_dtype: the precision
+            policy's, as for every strategy).
         bucket_mb: the bucket size of ddp and the ZeRO stages.
         tp_across_nodes: allow a tensor-parallel group to span nodes (its all-reduces then cross the network).
         data_parallel: the engine of the data-parallel axes. Default: ``fsdp`` where parameters are sharded
@@ -108,7 +109,7 @@ class ParallelStrategy(Wrapper, Parallelizes):
     def __init__(self, tp: int = 1, dp_shard: int | None = None, dp_replicate: int = 1, pp: int = 1,
                  sequence_parallel: bool = True, microbatches: int = 4, schedule: str = "1f1b",
                  virtual_stages: int = 1, split: list[int] | None = None, reshard_after_forward: bool = True,
-                 prefetch: bool = True, reduce_dtype: str | None = None, bucket_mb: float = 25.0,
+                 prefetch: bool = True, bucket_mb: float = 25.0,
                  tp_across_nodes: bool = False, cp: int = 1, cp_method: str = "ring",
                  data_parallel: str | None = None, engine_options: dict[str, Any] | None = None, ep: int = 1) -> None:
         super().__init__()
@@ -120,13 +121,12 @@ class ParallelStrategy(Wrapper, Parallelizes):
         if cp > 1 and pp > 1:
             raise ValueError(f"parallel: cp={cp} with pp={pp} is not supported yet (context parallelism runs with "
                              "tp, dp_shard and dp_replicate): use pp=1, or cp=1.")
-        dtype_named(reduce_dtype, f"{self.name} reduce_dtype")  # checked here; the sharding engine uses it
         self.tp, self.dp_shard, self.dp_replicate, self.pp = tp, dp_shard, dp_replicate, pp
         self.cp, self.cp_method, self.ep = cp, cp_method, ep
         self.experts: ExpertParallel | None = None
         self._cp: ContextParallel | None = None
         self.sequence_parallel = sequence_parallel and tp > 1
-        self.reshard_after_forward, self.prefetch, self.reduce_dtype = reshard_after_forward, prefetch, reduce_dtype
+        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.bucket_mb, self.tp_across_nodes, self.data_parallel = bucket_mb, tp_across_nodes, data_parallel
         self.engine_options = dict(engine_options or {})
         if self.engine_options and data_parallel is None:
@@ -210,7 +210,7 @@ class ParallelStrategy(Wrapper, Parallelizes):
     def _make_engine(self, name: str) -> Strategy:
         chunks_in_turn = self.pipeline is not None and self.pipeline.virtual_stages > 1  # no one order to prefetch
         options = dict(bucket_mb=self.bucket_mb, prefetch=self.prefetch and not chunks_in_turn,
-                       reshard_after_forward=self.reshard_after_forward, reduce_dtype=self.reduce_dtype)
+                       reshard_after_forward=self.reshard_after_forward)
         accepted = inspect.signature(strategy_class(name)).parameters
         if name == self.data_parallel:
             unknown = sorted(set(self.engine_options) - set(accepted))

@@ -19,7 +19,7 @@ in the compute dtype, and its gradient shard. The lifecycle of a unit in one ste
 Parameters outside every unit form the *root* unit, gathered from the start of the step's forward to
 the end of its backward. Communication per step: Ψ gathered twice (the last unit once) and Ψ reduce-scattered
 (§7: 3Ψ). Mixed precision follows FSDP's policy: fp32 sharded master, gathers in the compute dtype, gradients
-reduced in ``reduce_dtype`` (default: the compute dtype). The optimizer steps the master pieces
+reduced in the policy's ``reduce_dtype`` (default: the compute dtype). The optimizer steps the master pieces
 (``MasterShards``, shared with ZeRO-1/2, including offload). Models built in ``configure_model`` on the
 meta device are materialised one unit at a time (``materialise.py``).
 """
@@ -41,7 +41,7 @@ from trainkit_strategies.capabilities import ShardedInit
 from trainkit_strategies.communication.comm import Comm
 from trainkit_strategies.communication.environment import Environment
 from trainkit_strategies.planning.memory import MemoryReport, resize_storage
-from trainkit_strategies.precision import Precision, dtype_named
+from trainkit_strategies.precision import Precision
 from trainkit_strategies.sharding.deferred import InitRecorder, Replayer
 from trainkit_strategies.sharding.materialise import materialise_meta
 from trainkit_strategies.sharding.units import ShardedBucket, Unit, UnitOrder, assign_units, on_first_grad, weakly
@@ -63,24 +63,22 @@ class ShardedStrategy(DeferredGradScale, FixedGroups, Strategy, ShardedInit):
         prefetch: issue the next unit's all-gather while the current one computes.
         offload: keep master weights and optimizer state in host memory (as ZeRO-Offload).
         ratio: with ``offload``, the fraction of the optimizer state kept on the host.
-        reduce_dtype: dtype gradients are reduce-scattered and accumulated in ("fp32", "bf16", "fp16");
-            default: the compute dtype.
         broadcast_buffers: broadcast rank 0's floating-point buffers (e.g. BatchNorm statistics) after
             every step, as ddp does.
     """
 
     data_axis, hybrid = "dp_shard", True  # shards over dp_shard x cp, replicated over dp_replicate (HSDP)
+    any_reduce_dtype = True
     splits_backward = False  # a unit's gathered parameters are freed and its gradients reduced after its backward
 
     def __init__(self, reshard_after_forward: bool = True, prefetch: bool = True, offload: bool = False,
-                 ratio: float = 1.0, reduce_dtype: str | None = None, broadcast_buffers: bool = True) -> None:
+                 ratio: float = 1.0, broadcast_buffers: bool = True) -> None:
         super().__init__()
         self.broadcast_buffers = broadcast_buffers
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"{self.name} ratio must be in [0, 1]; got {ratio}.")
-        self._reduce_dtype = dtype_named(reduce_dtype, f"{self.name} reduce_dtype")
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
-        self.offload, self.ratio, self.reduce_dtype = offload, ratio, reduce_dtype
+        self.offload, self.ratio = offload, ratio
         self.units: list[Unit] = []
         self.buckets: list[ShardedBucket] = []  # in reduce-scatter launch order (bucket.index)
         self._bucket_of: dict[Tensor, ShardedBucket] = {}
@@ -115,7 +113,8 @@ class ShardedStrategy(DeferredGradScale, FixedGroups, Strategy, ShardedInit):
     # -- setup ---------------------------------------------------------------------------------------
     @property
     def grad_dtype(self) -> torch.dtype:
-        return self._reduce_dtype or self.precision.working_dtype
+        """The dtype gradients are reduce-scattered and kept in (the policy's ``reduce_dtype``)."""
+        return self.precision.grad_dtype
 
     def init_context(self) -> contextlib.AbstractContextManager:
         return self._recording()

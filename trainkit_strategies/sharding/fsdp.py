@@ -20,16 +20,15 @@ class FSDPStrategy(ShardedStrategy):
             wrapped descendant (size-based policy).
         sync_micro_steps: reduce-scatter on every accumulation micro-step (gradient shards accumulate).
             Off keeps whole gradients until the window's last backward: less communication, more memory.
-        reshard_after_forward, prefetch, offload, ratio, reduce_dtype, broadcast_buffers: see ShardedStrategy.
+        reshard_after_forward, prefetch, offload, ratio, broadcast_buffers: see ShardedStrategy.
     """
 
     name = "fsdp"
 
     def __init__(self, auto_wrap: list[type[nn.Module]] | None = None, min_num_params: int | None = None,
                  sync_micro_steps: bool = True, reshard_after_forward: bool = True, prefetch: bool = True,
-                 offload: bool = False, ratio: float = 1.0, reduce_dtype: str | None = None,
-                 broadcast_buffers: bool = True) -> None:
-        super().__init__(reshard_after_forward, prefetch, offload, ratio, reduce_dtype, broadcast_buffers)
+                 offload: bool = False, ratio: float = 1.0, broadcast_buffers: bool = True) -> None:
+        super().__init__(reshard_after_forward, prefetch, offload, ratio, broadcast_buffers)
         if min_num_params is not None and min_num_params < 1:
             raise ValueError(f"fsdp min_num_params must be >= 1; got {min_num_params}.")
         self.auto_wrap = tuple(auto_wrap or ())

@@ -20,15 +20,15 @@ class Zero3Strategy(ShardedStrategy):
     Args:
         bucket_mb: gather bucket size in MiB (consecutive parameter-owning modules share a gather).
         persistence_threshold: parameters with at most this many elements are never freed after gather.
-        reshard_after_forward, prefetch, offload, ratio, reduce_dtype, broadcast_buffers: see ShardedStrategy.
+        reshard_after_forward, prefetch, offload, ratio, broadcast_buffers: see ShardedStrategy.
     """
 
     name = "zero3"
 
     def __init__(self, bucket_mb: float = 25.0, persistence_threshold: int = 100_000,
                  reshard_after_forward: bool = True, prefetch: bool = True, offload: bool = False,
-                 ratio: float = 1.0, reduce_dtype: str | None = None, broadcast_buffers: bool = True) -> None:
-        super().__init__(reshard_after_forward, prefetch, offload, ratio, reduce_dtype, broadcast_buffers)
+                 ratio: float = 1.0, broadcast_buffers: bool = True) -> None:
+        super().__init__(reshard_after_forward, prefetch, offload, ratio, broadcast_buffers)
         if not bucket_mb > 0:
             raise ValueError(f"zero3 bucket_mb must be positive; got {bucket_mb}.")
         if persistence_threshold < 0:
