@@ -5,19 +5,24 @@
 
 The model is built with ``transformers`` (an optional dependency: ``pip install transformers``) from a config (a
 dict with ``model_type``, or a path to a ``config.json`` or a directory holding one) or loaded from a local
-directory. Its tensor-parallel plan is the model's own (``config.base_model_tp_plan``; see
-``trainkit_strategies/tensor/huggingface.py``), so ``--trainer.strategy parallel --trainer.strategy.tp 2`` needs no
-plan written. A batch is ``(input_ids, labels)``, labels already shifted (``TextData`` here: a text file as bytes or
-through a tokenizer; the demo's Markov windows); the loss is the mean cross-entropy over the labels' tokens (``-100``
-ignored).
+directory, in ``configure_model``: under a strategy that builds on meta it is built there, and each rank allocates
+only the tensors it keeps, initialised as ``from_config`` initialises them in one process, or read from the
+directory's safetensors files one tensor (or one slice) at a time (``SafetensorsReader``); outside a Trainer, call
+``configure_model()`` once before using the module. Its tensor-parallel plan is the model's own
+(``config.base_model_tp_plan``; see ``trainkit_strategies/tensor/huggingface.py``), so ``--trainer.strategy parallel
+--trainer.strategy.tp 2`` needs no plan written. A batch is ``(input_ids, labels)``, labels already shifted
+(``TextData`` here: a text file as bytes or through a tokenizer; the demo's Markov windows); the loss is the mean
+cross-entropy over the labels' tokens (``-100`` ignored).
 """
 
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +58,57 @@ def build_config(config: dict[str, Any] | str) -> Any:
     if model_type is None:
         raise ValueError("trainkit.hf.CausalLM config needs a model_type (llama, mistral, qwen2, gpt2, ...).")
     return transformers.AutoConfig.for_model(model_type, **options)
+
+
+class SafetensorsReader:
+    """A ``save_pretrained`` directory's tensors by name, read one at a time (or one slice: ``safe_open``'s
+    ``get_slice``), never the whole checkpoint: one ``model.safetensors`` or shards listed in
+    ``model.safetensors.index.json``. ``prefix``: what the module calls the model (``model.``), dropped from the
+    names asked for; ``base``: the model's ``base_model_prefix``, tried too (a file saved from the base model has
+    names without it)."""
+
+    def __init__(self, directory: str, prefix: str = "", base: str = "") -> None:
+        root = Path(directory)
+        index = root / "model.safetensors.index.json"
+        if index.is_file():
+            self.files = {k: root / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+        elif (root / "model.safetensors").is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(root / "model.safetensors"), "pt") as f:
+                self.files = dict.fromkeys(f.keys(), root / "model.safetensors")
+        else:
+            raise FileNotFoundError(f"{directory} holds no model.safetensors (nor model.safetensors.index.json): "
+                                    "save the model with save_pretrained(..., safe_serialization=True).")
+        self.prefix, self.base = prefix, f"{base}." if base else ""
+
+    def key(self, name: str) -> str | None:
+        """The file's name for the module's tensor ``name`` (None: not in the checkpoint)."""
+        if not name.startswith(self.prefix):
+            return None
+        name = name[len(self.prefix):]
+        for key in (name, name.removeprefix(self.base), self.base + name):
+            if key in self.files:
+                return key
+        return None
+
+    def __call__(self, name: str, out: Tensor, index: tuple | None = None) -> bool:
+        """Write the tensor ``name`` (its part ``index``) into ``out``, a whole tensor in slices of about 16 MiB so
+        nothing beside ``out`` is held; False where the checkpoint has no such tensor."""
+        key = self.key(name)
+        if key is None:
+            return False
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[key]), "pt") as f, torch.no_grad():
+            part = f.get_slice(key)
+            if index is not None or out.dim() == 0:
+                out.copy_(part[index] if index is not None else part[:])
+                return True
+            rows = max(1, 2**24 // max(1, out[0].numel() * out.element_size()))
+            for start in range(0, out.shape[0], rows):
+                out[start : start + rows].copy_(part[start : start + rows])
+        return True
 
 
 class TokenWindows(Dataset):
@@ -165,7 +221,8 @@ class CausalLM(TrainModule):
     Args:
         config: the model's configuration (a dict with ``model_type``, or a path to a config.json or its directory);
             the weights start from the model's own initialisation, seeded by the run.
-        pretrained: a local directory ``from_pretrained`` loads (weights and config); instead of ``config``.
+        pretrained: a local directory saved by ``save_pretrained`` (its config and safetensors weights); instead of
+            ``config``. Each rank reads only the tensors it keeps, one at a time.
         lr, weight_decay, warmup_steps, max_steps, adam_eps: AdamW (betas 0.9, 0.95) with linear warmup and cosine
             decay to 10%; norms, biases and embeddings without weight decay.
         attn_implementation: Hugging Face's attention kernel ("sdpa", "eager").
@@ -179,14 +236,31 @@ class CausalLM(TrainModule):
         if (config is None) == (pretrained is None):
             raise ValueError("trainkit.hf.CausalLM needs exactly one of config= (a new model) or pretrained= (a local "
                              "directory to load).")
-        transformers = _transformers()
+        _transformers()
         self._stage_hooks = False  # pipeline_layers() added the attention modules' position hooks
-        if pretrained is not None:
-            self.model = transformers.AutoModelForCausalLM.from_pretrained(
-                pretrained, attn_implementation=attn_implementation)
-        else:
+
+    def configure_model(self) -> None:
+        """Build the model (once): on the meta device where the strategy builds there (its init context records
+        transformers' initialisation, which transformers itself skips on meta, so each rank's tensors get the values
+        ``from_config`` gives in one process), else on the host. ``pretrained``: the tensors come from the
+        directory's files (``tensor_source``), read as they are materialised, or here when built on the host."""
+        if hasattr(self, "model"):
+            return
+        transformers, hp = _transformers(), self.hparams
+        config = build_config(hp.pretrained if hp.pretrained is not None else hp.config)
+        on_meta = torch.get_default_device().type == "meta"
+        initialises = mock.patch("transformers.modeling_utils.get_torch_context_manager_or_global_device",
+                                 return_value=torch.device("cpu")) if on_meta else nullcontext()
+        with initialises:
             self.model = transformers.AutoModelForCausalLM.from_config(
-                build_config(config), attn_implementation=attn_implementation)
+                config, attn_implementation=hp.attn_implementation)
+        if hp.pretrained is None:
+            return
+        self.tensor_source = SafetensorsReader(hp.pretrained, "model.", self.model.base_model_prefix)
+        if not on_meta:
+            with torch.no_grad():
+                for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
+                    self.tensor_source(name, tensor)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         return self.model(input_ids=input_ids, use_cache=False).logits

@@ -2,7 +2,8 @@
 
 The order is torchtitan's ``parallelize_llama`` (and picotron's ``train.py``), top to bottom:
 
-1. ``configure_model`` builds the layers (on the meta device under a sharding strategy's ``init_context``);
+1. ``configure_model`` builds the layers (on the meta device under the strategy's ``init_context`` where it
+   ``BuildsOnMeta``: its ``setup`` then allocates only what this rank keeps, with one-process values);
 2. tensor parallelism (``Parallelizes``: the layers of the module's ``tensor_parallel_plan()`` cut to a rank's part),
    then BatchNorm layers synchronised over the data-parallel ranks (``sync_batchnorm``);
 3. activation checkpointing (``activation.py``: the repeated blocks recompute in backward);
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from trainkit.activation import apply_activation_checkpointing
-from trainkit_strategies import Parallelizes, ShardedInit, Strategy, capability
+from trainkit_strategies import BuildsOnMeta, Parallelizes, Strategy, capability
 from trainkit_strategies.data_parallel.sync_batchnorm import convert_sync_batchnorm
 from trainkit_strategies.sharding.units import repeated_layers
 from trainkit_strategies.tensor.regions import run_eagerly_under_compile
@@ -34,8 +35,8 @@ from trainkit_strategies.tensor.regions import run_eagerly_under_compile
 def build(module: Any, strategy: Strategy, activation_checkpointing: Any = None, every: int = 1,
           compile: bool = False, sync_batchnorm: bool = False) -> None:
     """Steps 1-4 above on a TrainModule: its layers built, then transformed; ``strategy.setup`` is step 5."""
-    sharded = capability(strategy, ShardedInit)
-    with sharded.init_context() if sharded is not None else nullcontext():
+    on_meta = capability(strategy, BuildsOnMeta)
+    with on_meta.init_context() if on_meta is not None else nullcontext():
         module.configure_model()
     parallelize(module, strategy, activation_checkpointing, every, compile, sync_batchnorm)
 

@@ -2,6 +2,7 @@
 
 from trainkit_strategies.base import Strategy
 from trainkit_strategies.capabilities import (
+    BuildsOnMeta,
     Parallelizes,
     RunsSchedule,
     SelfReducing,
@@ -17,6 +18,7 @@ from trainkit_strategies.registry import available, get_strategy, strategy_class
 
 __all__ = [
     "ActivationMeter",
+    "BuildsOnMeta",
     "DynamicLossScaler",
     "Environment",
     "MemoryReport",

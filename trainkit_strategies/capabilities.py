@@ -91,11 +91,17 @@ class Parallelizes(ABC):
         """Transform ``module`` in place (parameter names unchanged)."""
 
 
-class ShardedInit(ABC):
-    """The strategy can build the model on the meta device and materialise only this rank's shards."""
+class BuildsOnMeta(ABC):
+    """The strategy builds the model on the meta device (``configure_model`` under ``init_context``) and, at setup,
+    allocates only what this rank keeps, straight on its device, with the values a one-process run gives them
+    (``trainkit_strategies/init``)."""
 
     @abstractmethod
     def init_context(self) -> contextlib.AbstractContextManager: ...
+
+
+class ShardedInit(BuildsOnMeta):
+    """The strategy builds on meta and materialises only this rank's shards of every parameter (ZeRO-3, FSDP)."""
 
 
 class RunsSchedule(ABC):

@@ -226,6 +226,7 @@ if __name__ == "__main__":
     whole = trainer.strategy.full_parameters()  # every parameter whole, gathered from its parts
     if trainer.is_global_zero:
         trained = CausalLM(config=CONFIG)
+        trained.configure_model()
         loaded = trained.load_state_dict({k: v.detach().cpu() for k, v in whole.items()}, strict=False)
         assert not set(loaded.missing_keys) & set(dict(trained.named_parameters())), loaded.missing_keys
         trained.eval()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tests.helpers import DeferredInitNet
-from trainkit_strategies.sharding.deferred import InitRecorder, Replayer
+from trainkit_strategies.init.recorder import InitRecorder, Replayer
 
 
 def test_replay_gives_one_process_values_and_generator_state():

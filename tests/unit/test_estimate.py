@@ -463,9 +463,11 @@ def _llama(device: str | None = None):
     from trainkit.hf import CausalLM
 
     torch.manual_seed(0)
+    module = CausalLM(config={"model_type": "llama", "vocab_size": 16, "hidden_size": 32, "intermediate_size": 64,
+                              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2})
     with torch.device(device or "cpu"):
-        return CausalLM(config={"model_type": "llama", "vocab_size": 16, "hidden_size": 32, "intermediate_size": 64,
-                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2})
+        module.configure_model()
+    return module
 
 
 def test_a_hugging_face_model_is_planned_as_it_runs():

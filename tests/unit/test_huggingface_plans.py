@@ -24,7 +24,9 @@ def _llama(**extra):
     from trainkit.hf import CausalLM
 
     torch.manual_seed(0)
-    return CausalLM(config=dict(model_type="llama", **SMALL, **extra))
+    module = CausalLM(config=dict(model_type="llama", **SMALL, **extra))
+    module.configure_model()
+    return module
 
 
 def test_the_models_own_plan_becomes_trainkits_with_the_sequence_parallel_entries():

@@ -93,6 +93,7 @@ LAYERS = [
     {"capabilities"},
     {"planning"},
     {"offload"},
+    {"init"},
     {"state"},
     {"base", "parts", "ranks", "registry", "wrapper"},
     {"data_parallel", "sharding", "tensor", "context", "experts", "pipeline"},

@@ -37,6 +37,7 @@ from trainkit_strategies.capabilities import SelfReducing
 from trainkit_strategies.communication.comm import Handle
 from trainkit_strategies.communication.norms import combine_norm
 from trainkit_strategies.data_parallel.powersgd import PowerSGD
+from trainkit_strategies.init.materialise import RecordsInit
 from trainkit_strategies.planning.memory import MemoryReport
 from trainkit_strategies.precision import Precision
 from trainkit_strategies.state.flat import OrderedLauncher, first_bucket_bytes, pack
@@ -57,8 +58,9 @@ class _Slot:
     hooks: list = field(default_factory=list)
 
 
-class DDPStrategy(Strategy):
-    """Replicate the model; all-reduce gradients in overlapped buckets.
+class DDPStrategy(RecordsInit, Strategy):
+    """Replicate the model (built on meta, materialised whole straight on the device: ``RecordsInit``); all-reduce
+    gradients in overlapped buckets.
 
     Args:
         bucket_mb: gradient bucket size in MiB (smaller: earlier overlap, more collectives).
@@ -105,8 +107,10 @@ class DDPStrategy(Strategy):
                     "compression='powersgd'. Choose one: drop --trainer.strategy.compression, or use AdamW."
                 )
             optimizer.bind(self.comm)
-        with torch.no_grad():
-            self.comm.broadcast_coalesced([*module.parameters(), *module.buffers()])
+        with torch.no_grad():  # a bucket at a time: a flat copy of the whole model would double setup's peak
+            for group in pack([*module.parameters(), *module.buffers()], int(self.bucket_mb * 2**20),
+                              key=lambda t: t.dtype):
+                self.comm.broadcast_coalesced(group)
         self._names = {p: n for n, p in module.named_parameters()}
         self._rebucket()
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 from trainkit_strategies.base import Strategy
 from trainkit_strategies.communication.comm import Comm
 from trainkit_strategies.communication.environment import Environment
+from trainkit_strategies.init.materialise import RecordsInit
 
 
-class SingleStrategy(Strategy):
-    """Train on one device in one process. The replicated defaults of ``Strategy`` are the algorithm."""
+class SingleStrategy(RecordsInit, Strategy):
+    """Train on one device in one process. The replicated defaults of ``Strategy`` are the algorithm; the model is
+    built on meta and materialised straight on the device (``RecordsInit``)."""
 
     name = "single"
     accepts_self_reducing = True

@@ -40,6 +40,7 @@ from trainkit_strategies.data_parallel.gradients import (
     WholeGradients,
 )
 from trainkit_strategies.data_parallel.onebit import SignReduceScatter
+from trainkit_strategies.init.materialise import RecordsInit
 from trainkit_strategies.offload.hostcopy import mark
 from trainkit_strategies.planning.memory import MemoryReport
 from trainkit_strategies.precision import Precision
@@ -48,7 +49,7 @@ from trainkit_strategies.state.flat import BucketReducer, FlatBucket, OrderedLau
 from trainkit_strategies.state.master import DeferredGradScale, FixedGroups, MasterShards
 
 
-class ZeroStrategy(DeferredGradScale, FixedGroups, Strategy):
+class ZeroStrategy(RecordsInit, DeferredGradScale, FixedGroups, Strategy):
     """Shard optimizer state (and, by its ``gradient_layout``, gradients) across data-parallel ranks.
 
     Args:
@@ -119,6 +120,7 @@ class ZeroStrategy(DeferredGradScale, FixedGroups, Strategy):
             super().setup(module, optimizer, precision)
             return
         self._bind(module, optimizer, precision)
+        self._materialise_rest(module)  # built on meta: each parameter straight on the device, then into its bucket
         for handle in self._hooks:
             handle.remove()
         names = st.param_names(module)

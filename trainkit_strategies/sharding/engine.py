@@ -21,7 +21,7 @@ the end of its backward. Communication per step: Ψ gathered twice (the last uni
 (§7: 3Ψ). Mixed precision follows FSDP's policy: fp32 sharded master, gathers in the compute dtype, gradients
 reduced in the policy's ``reduce_dtype`` (default: the compute dtype). The optimizer steps the master pieces
 (``MasterShards``, shared with ZeRO-1/2, including offload). Models built in ``configure_model`` on the
-meta device are materialised one unit at a time (``materialise.py``).
+meta device are materialised one unit at a time (``trainkit_strategies/init``).
 """
 
 from __future__ import annotations
@@ -40,21 +40,22 @@ from trainkit_strategies.base import Strategy
 from trainkit_strategies.capabilities import ShardedInit
 from trainkit_strategies.communication.comm import Comm
 from trainkit_strategies.communication.environment import Environment
+from trainkit_strategies.init.materialise import RecordsInit, materialise_meta
 from trainkit_strategies.planning.memory import MemoryReport, resize_storage
 from trainkit_strategies.precision import Precision
-from trainkit_strategies.sharding.deferred import InitRecorder, Replayer
-from trainkit_strategies.sharding.materialise import materialise_meta
 from trainkit_strategies.sharding.units import ShardedBucket, Unit, UnitOrder, assign_units, on_first_grad, weakly
 from trainkit_strategies.state import pieces as st
 from trainkit_strategies.state.flat import BucketReducer, FlatBucket, OrderedLauncher
 from trainkit_strategies.state.master import DeferredGradScale, FixedGroups, MasterShards
+
+_BROADCAST_ELEMENTS = 2**22  # 16 MiB of fp32 a broadcast at setup
 
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class ShardedStrategy(DeferredGradScale, FixedGroups, Strategy, ShardedInit):
+class ShardedStrategy(RecordsInit, DeferredGradScale, FixedGroups, Strategy, ShardedInit):
     """The ZeRO-3 / FSDP engine; subclasses choose the units (``unit_modules``) and persistent params.
 
     Args:
@@ -91,7 +92,6 @@ class ShardedStrategy(DeferredGradScale, FixedGroups, Strategy, ShardedInit):
         self._end_queued = False
         self._order = UnitOrder()
         self._replaced: dict[Tensor, Tensor] = {}  # meta parameter -> the parameter that replaced it
-        self._replayer: Replayer | None = None  # what configure_model computed on the meta device
         self._apart: list[set[int]] = []  # ids of parameters whose gradients keep_apart gave buckets of their own
         self.replicate: Comm | None = None  # HSDP (setup_environment's replicas)
         self._finished: Unit | None = None  # the last unit whose training forward ended, still gathered
@@ -115,16 +115,6 @@ class ShardedStrategy(DeferredGradScale, FixedGroups, Strategy, ShardedInit):
     def grad_dtype(self) -> torch.dtype:
         """The dtype gradients are reduce-scattered and kept in (the policy's ``reduce_dtype``)."""
         return self.precision.grad_dtype
-
-    def init_context(self) -> contextlib.AbstractContextManager:
-        return self._recording()
-
-    @contextlib.contextmanager
-    def _recording(self) -> Iterator[None]:
-        recorder = InitRecorder()
-        with torch.device("meta"), recorder:
-            yield
-        self._replayer = Replayer(recorder)
 
     def setup(self, module: nn.Module, optimizer: Optimizer | None, precision: Precision) -> None:
         self._bind(module, optimizer, precision)
@@ -185,7 +175,7 @@ class ShardedStrategy(DeferredGradScale, FixedGroups, Strategy, ShardedInit):
             homes = {p: view for b, full in zip(layouts, fulls, strict=True)
                      for p, view in zip(b.params, b.param_views(full), strict=True)}
             assert self.module is not None
-            self._replaced |= materialise_meta(self.module, homes, self._replayer, self.device)
+            self._replaced |= materialise_meta(self.module, self._replayer, self.device, homes)
             for layout, full in zip(layouts, fulls, strict=True):
                 layout.params = [self._replaced.get(p, p) for p in layout.params]
                 for p, view in zip(layout.params, layout.param_views(full), strict=True):
@@ -194,7 +184,8 @@ class ShardedStrategy(DeferredGradScale, FixedGroups, Strategy, ShardedInit):
         else:  # built already (in host memory, typically): one copy per bucket to the device
             fulls = [b.flat_values(self.device) for b in layouts]
         for layout, full in zip(layouts, fulls, strict=True):
-            self.comm.broadcast(full, src=0)  # every rank starts from rank 0's values
+            for chunk in full.split(_BROADCAST_ELEMENTS):  # every rank starts from rank 0's values; in chunks,
+                self.comm.broadcast(chunk, src=0)  # as gloo copies what it sends: a whole unit would cost one more
             lo, hi = layout.piece_range(self.rank)
             master = self._master[layout]
             master.copy_(full[lo:hi])

@@ -1,14 +1,15 @@
 """Record what ``configure_model`` does on the meta device, and replay it for one tensor at a time.
 
-Sharded strategies build the model on the meta device so no rank holds it whole. Meta tensors have no
-values, so whatever ``configure_model`` computed (the modules' default ``reset_parameters``, a custom
-``nn.init.normal_`` loop, ``nn.Parameter(torch.ones(d))``, a ``torch.tril`` mask buffer) would be lost.
+Every strategy that builds on meta (``BuildsOnMeta``) builds the model there so no rank holds more than its
+part. Meta tensors have no values, so whatever ``configure_model`` computed (the modules' default
+``reset_parameters``, a custom ``nn.init.normal_`` loop, ``nn.Parameter(torch.ones(d))``,
+a ``torch.tril`` mask buffer) would be lost.
 ``InitRecorder`` is a ``TorchFunctionMode`` that logs every call touching a meta tensor: the op, its
 arguments, which storages it wrote, and, for ops that draw random numbers, the state of the CPU
 generator (and of any ``generator=`` passed) just before; it also runs those random ops on a scratch
 CPU tensor of the same shape, so the generators advance exactly as they would have in one process.
 
-``Replayer.value(tensor)`` then rebuilds one tensor on the CPU: it re-runs the op that created its
+``Replayer.fill(tensor, out)`` then rebuilds one tensor on the CPU: it re-runs the op that created its
 storage (after rebuilding that op's meta inputs as they were at that moment), then every later op that
 wrote into the storage, restoring the recorded generator states before each random op. So a parameter
 gets the very values a one-process run gives it, while only the tensors it depends on exist at once.
@@ -160,8 +161,9 @@ class Replayer:
     def knows(self, tensor: Tensor) -> bool:
         return tensor.is_meta and _key(tensor) in self.rec.created
 
-    def fill(self, tensor: Tensor, out: Tensor) -> None:
-        """Write ``tensor``'s value at the end of the recording into ``out`` (a real tensor of its shape).
+    def fill(self, tensor: Tensor, out: Tensor, index: tuple | None = None) -> None:
+        """Write ``tensor``'s value at the end of the recording into ``out`` (a real tensor of its shape), or, with
+        ``index``, the part ``tensor[index]`` of it (a rank's slice of a whole parameter: ``out`` has its shape).
 
         Random draws are replayed on the CPU, where a one-process run makes them. A tensor that owns its
         whole storage, created empty (as modules create their parameters), is rebuilt in ``out`` itself
@@ -172,14 +174,15 @@ class Replayer:
             created = self.rec.calls[self.rec.created[key]]
             whole = tensor.storage_offset() == 0 and tensor.is_contiguous() and \
                 tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes()
-            in_place = whole and getattr(created.func, "__name__", "") in _EMPTY and out.device.type == "cpu" \
-                and out.dtype == tensor.dtype and out.is_contiguous()
+            in_place = index is None and whole and getattr(created.func, "__name__", "") in _EMPTY \
+                and out.device.type == "cpu" and out.dtype == tensor.dtype and out.is_contiguous()
             if in_place:
                 self._storage_at(key, len(self.rec.calls), into=out.view(-1))
                 return
             storage = self._storage_at(key, len(self.rec.calls))
+            value = _view(storage, tensor)
             with torch.no_grad():
-                out.copy_(_view(storage, tensor))
+                out.copy_(value if index is None else value[index])
         finally:
             torch.set_rng_state(saved.pop(0))
             for i, state in saved.items():

@@ -1,0 +1,148 @@
+"""Materialising a model built on the meta device: only what this rank keeps, straight where it is kept.
+
+A strategy that builds on meta (``RecordsInit``) runs ``configure_model`` on the meta device while an
+``InitRecorder`` (``recorder.py``) logs what the code computes. At setup the strategy says where each meta
+parameter goes: into a unit's flat buffer (``homes``: ZeRO-3/FSDP, one unit at a time), or, for strategies that
+keep whole parameters (ddp, ZeRO-1/2, zero_offload, single), into a tensor of its own on the device; ``parts`` (a
+parameter -> the index of the whole tensor this rank keeps, ``whole[index]``) is how an axis that keeps a slice
+says so. Each tensor gets the value a one-process run gives it: read from the module's ``tensor_source`` where it
+has one (``trainkit.hf.CausalLM(pretrained=...)``: sliced reads of safetensors files), else replayed from the log
+(custom ``nn.init`` calls, factories and random draws included), one whole tensor at a time on the host. So a
+rank holds its part plus one tensor. A module whose tensors the log cannot rebuild falls back to its
+``reset_parameters()`` (and the model's ``init_weights(module)`` if it has one), with a warning.
+
+``tensor_source``, where the root module has one, is called as ``tensor_source(name, out, index)`` with a
+parameter's or buffer's name in the root, the real tensor to fill and the index this rank keeps (None: whole); it
+writes that part of the tensor into ``out`` and returns True, or False when it has no such tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from trainkit_strategies.capabilities import BuildsOnMeta
+from trainkit_strategies.init.recorder import InitRecorder, Replayer
+
+Source = Callable[[str, Tensor, Any], bool]
+
+
+class RecordsInit(BuildsOnMeta):
+    """What a strategy that builds on meta shares: the recording context, and materialising what is left on the
+    meta device whole, straight on the strategy's device (its ``_place``). Mixed into a ``Strategy``."""
+
+    _replayer: Replayer | None = None  # what configure_model computed on the meta device
+    device: torch.device
+    optimizer: Optimizer | None
+
+    def init_context(self) -> contextlib.AbstractContextManager:
+        return self._recording()
+
+    @contextlib.contextmanager
+    def _recording(self) -> Iterator[None]:
+        recorder = InitRecorder()
+        with torch.device("meta"), recorder:
+            yield
+        self._replayer = Replayer(recorder)
+
+    def _materialise_rest(self, module: nn.Module) -> dict[Tensor, nn.Parameter]:
+        """Every meta parameter and buffer of ``module``, whole, on the device with its one-process value; the
+        optimizer's param groups point at the new parameters."""
+        if self.device.type == "meta" or not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            return {}
+        replaced = materialise_meta(module, self._replayer, self.device)
+        if self.optimizer is not None:
+            retarget(self.optimizer, replaced)
+        return replaced
+
+    def _place(self, module: nn.Module) -> None:
+        self._materialise_rest(module)
+        super()._place(module)  # type: ignore[misc]
+
+
+def retarget(optimizer: Optimizer, replaced: dict[Tensor, nn.Parameter]) -> None:
+    """Point ``optimizer``'s param groups at the parameters that replaced meta ones (before any state exists)."""
+    for group in optimizer.param_groups:
+        group["params"] = [replaced.get(p, p) for p in group["params"]]
+
+
+def materialise_meta(root: nn.Module, replayer: Replayer | None, device: torch.device,
+                     homes: dict[Tensor, Tensor] | None = None,
+                     parts: dict[Tensor, tuple] | None = None) -> dict[Tensor, nn.Parameter]:
+    """Give meta parameters real storage and values; returns each replaced meta parameter's new parameter.
+
+    ``homes`` (parameter -> its place in a unit's buffer): only modules with a meta parameter among them are
+    materialised, their parameters placed there; None: every module's. A module is materialised once, all its
+    parameters together, even those another unit shards (they get storage of their own, copied into their unit
+    later). ``parts``: parameters this rank keeps a slice of (see the module docstring). Meta buffers of every
+    module are materialised too.
+    """
+    homes = homes if homes is not None else {}
+    parts = parts or {}
+    source: Source | None = getattr(root, "tensor_source", None)
+    names = {t: n for n, t in (*root.named_parameters(), *root.named_buffers())} if source is not None else {}
+    replaced: dict[Tensor, nn.Parameter] = {}
+    for mod in root.modules():
+        metas = {n: p for n, p in mod._parameters.items() if p is not None and p.is_meta}
+        if not metas or (homes and not any(p in homes for p in metas.values())):
+            continue
+        buffers = {n: b for n, b in mod._buffers.items() if b is not None and b.is_meta}
+        replay = replayer is not None and all(replayer.knows(t) for t in [*metas.values(), *buffers.values()])
+        reset = getattr(mod, "reset_parameters", None) or getattr(mod, "_reset_parameters", None)
+        if not replay and reset is None:
+            raise TypeError(
+                f"{type(mod).__name__} was built on the meta device (in configure_model) in a way trainkit "
+                "cannot replay, and has no reset_parameters() to initialise it; define reset_parameters() or "
+                "build this module in __init__ instead of configure_model."
+            )
+        if not replay and replayer is not None:
+            rank_zero_warn(f"{type(mod).__name__}'s tensors were computed in configure_model in a way trainkit "
+                           "cannot replay; they are initialised by its reset_parameters() instead, so they "
+                           "differ from a one-process run.")
+        for old in metas.values():
+            home = homes.get(old)
+            shape = old[parts[old]] if old in parts else old
+            data = home if home is not None else torch.empty_like(shape, device=device, dtype=torch.float32)
+            new = nn.Parameter(data, requires_grad=old.requires_grad)
+            for owner in root.modules():
+                for key, value in owner._parameters.items():
+                    if value is old:
+                        owner._parameters[key] = new
+            replaced[old] = new
+        for name, buf in buffers.items():
+            mod._buffers[name] = torch.empty_like(buf, device=device)
+        olds = {**{(n, "p"): t for n, t in metas.items()}, **{(n, "b"): t for n, t in buffers.items()}}
+        with torch.no_grad():
+            if not replay:
+                reset()
+                custom = getattr(root, "init_weights", None)
+                if callable(custom):  # the model's own initialisation, module by module
+                    custom(mod)
+            for (name, kind), old in olds.items():  # one tensor read or rebuilt at a time
+                out = mod._parameters[name].data if kind == "p" else mod._buffers[name]
+                if _read(source, names, old, out, parts.get(old)):
+                    continue
+                if replay:
+                    assert replayer is not None
+                    replayer.fill(old, out, parts.get(old))
+    for mod in root.modules():  # buffers of modules without meta parameters
+        for name, buf in mod._buffers.items():
+            if buf is not None and buf.is_meta:
+                mod._buffers[name] = torch.zeros_like(buf, device=device)
+                if _read(source, names, buf, mod._buffers[name], None):
+                    continue
+                if replayer is not None and replayer.knows(buf):
+                    replayer.fill(buf, mod._buffers[name])
+    return replaced
+
+
+def _read(source: Source | None, names: dict[Tensor, str], tensor: Tensor, out: Tensor, index: Any) -> bool:
+    """Fill ``out`` with ``tensor``'s value (its part ``index``) from the module's ``tensor_source``; False where it
+    has none."""
+    return source is not None and tensor in names and source(names[tensor], out, index)
