@@ -240,7 +240,8 @@ def estimate(module: nn.Module, batch: Any, world_size: int = 1, precision: str 
     if not getattr(module, "automatic_optimization", True):
         batch = None
     module = meta_copy(module)
-    module.configure_model()
+    with torch.device("meta"):  # layers built there are planned as they are, never allocated
+        module.configure_model()
     policy = Precision.from_name(precision)
     trace_on = device_type if device_type == "cpu" or torch.cuda.is_available() else "cpu"
     traced: dict[tuple, tuple[int, int, int]] = {}  # per set of parameter dtypes a strategy computes with
