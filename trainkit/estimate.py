@@ -48,7 +48,7 @@ from trainkit_strategies import (
 )
 from trainkit_strategies.communication.plan_comm import PlanComm
 from trainkit_strategies.context.huggingface import without_masks
-from trainkit_strategies.experts.parallel import moe_layers
+from trainkit_strategies.experts.transform import moe_layers
 from trainkit_strategies.planning.memory import LiveBytes
 from trainkit_strategies.sharding.units import repeated_layers
 from trainkit_strategies.tensor.planned import plan_for

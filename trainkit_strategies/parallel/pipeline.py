@@ -1,4 +1,5 @@
-"""``strategy="pipeline"``: a preset of the composed layout (``parallel/strategy.py``) with stages and one data-parallel axis.
+"""``strategy="pipeline"``: a preset of the composed layout (``parallel/strategy.py``) with stages and one
+data-parallel axis.
 
 ``--trainer.strategy pipeline --trainer.strategy.data_parallel zero2`` is ``ParallelStrategy`` on the layout
 ``pp=stages x dp_shard=world/stages`` with the ``zero2`` engine in every stage (``ddp`` replicates a stage over
