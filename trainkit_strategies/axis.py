@@ -32,17 +32,24 @@ from trainkit_strategies.state import pieces as st
 _LOOKUP_FRAMES = 8  # frames above a function a layer calls searched for that layer (helpers, hooks in between)
 
 
+_INSTALLED: set[str] = set()  # the names ever installed in this process: ``installed`` looks for no other
+
+
 def install(module: nn.Module, name: str, value: Any) -> None:
     """Give ``module`` and every module inside it ``value`` as the plain attribute ``name`` (not a submodule, not
     state: ``state_dict`` and ``parameters()`` do not see it)."""
     for m in module.modules():
         m.__dict__[name] = value
+    _INSTALLED.add(name)
 
 
 def installed(name: str, default: Any = None) -> Any:
     """The attribute ``name`` of the module whose code called this (the nearest ``self`` that is a module, a few
     frames up: a function a layer calls, through helpers or a hook), or ``default`` where it has none or no module
-    is found."""
+    is found. A name no module was given costs one set lookup, and does not break a compiled graph (``torch.compile``
+    cannot trace the walk up the frames: a layer that has its module at hand reads the attribute itself)."""
+    if name not in _INSTALLED:
+        return default
     frame = sys._getframe(1)
     for _ in range(_LOOKUP_FRAMES):
         if frame is None:

@@ -48,12 +48,12 @@ def collecting(module: nn.Module) -> Iterator[list[tuple[Tensor, int]]]:
         collector.found = previous
 
 
-def add_auxiliary_loss(term: Tensor, tokens: int = 1) -> None:
+def add_auxiliary_loss(term: Tensor, tokens: int = 1, layer: nn.Module | None = None) -> None:
     """Add ``term`` (a scalar in the autograd graph: a mean over ``tokens`` tokens) to the objective of the step
-    collecting the calling module's terms, if any. Where no loss is computed beside it (a pipeline stage before the
-    last), the term is weighted by its ``tokens`` as the loss is by its items: a language model's items are its
-    tokens."""
-    collector = installed(COLLECTOR)
+    collecting the terms of ``layer`` (by default the module calling this), if any. Where no loss is computed beside
+    it (a pipeline stage before the last), the term is weighted by its ``tokens`` as the loss is by its items: a
+    language model's items are its tokens."""
+    collector = installed(COLLECTOR) if layer is None else layer.__dict__.get(COLLECTOR)
     if collector is not None and collector.found is not None and term.requires_grad:
         collector.found.append((term, tokens))
 

@@ -114,7 +114,7 @@ class MoE(nn.Module):
                                         context.slices)
             self.z = z_loss(logits, context.slices)
             terms = self.balance_coef * self.balance + self.z_coef * self.z
-            add_auxiliary_loss(terms, tokens.shape[0] * context.slices)
+            add_auxiliary_loss(terms, tokens.shape[0] * context.slices, self)
             self.balance, self.z = self.balance.detach(), self.z.detach()
         routed, counts = dispatch(tokens, experts, weights.to(x.dtype), keep, self.num_experts, self.w1, self.w3,
                                   self.w2, ep)
