@@ -9,14 +9,17 @@ The world is the grid ``pp x dp_replicate x dp_shard x cp x tp`` (``layout.py``)
   chooses them); with ``dp_replicate`` > 1 as well, the shards are replicated and their gradients all-reduced
   across replicas once per step (HSDP); with only ``dp_replicate``, ``ddp`` among the replicas;
 - with ``pp`` > 1, one stage's layers (``pipeline_layers()``), the pipeline's schedules running between stages and
-  all of the above inside each stage (``PipelinedParallel``);
+  all of the above inside each stage (``pipeline/transform.py``);
 - with ``cp`` > 1, two of ``2 x cp`` chunks of every sequence (``local_batch``), attention running across the
   context-parallel group (``context/ring.py``) and parameters sharded over ``dp_shard x cp``.
 
-Gradients of parameters the plan leaves whole are summed across the tensor-parallel group under sequence
-parallelism (each rank saw a slice of the sequence) and counted once in norms; the batch is read once per
-data-parallel coordinate, by all the tensor-parallel ranks of it; checkpoints hold each parameter's part as a
-strided piece, so they resume under any strategy and layout.
+Each of tp, ep, cp and pp is an ``Axis`` (``trainkit_strategies/axis.py``; its folder's ``transform.py``), and every
+part of a step loops over the active ones in the order of ``AXES``: transform the model, cut this rank's part,
+reduce the gradients after the engine has, combine norms, name checkpoint pieces, gather tensors whole. Gradients of
+parameters the plan leaves whole are summed across the tensor-parallel group under sequence parallelism (each rank
+saw a slice of the sequence) and counted once in norms; the batch is read once per data-parallel coordinate, by all
+the tensor-parallel ranks of it; checkpoints hold each parameter's part as a strided piece, so they resume under any
+strategy and layout.
 """
 
 from __future__ import annotations
@@ -62,8 +65,9 @@ class ParallelStrategy(Wrapper, Parallelizes):
     --trainer.strategy.tp 2 --trainer.strategy.dp_shard 2``.
 
     It nests one strategy: the data-parallel engine of the ranks holding the same slices of a stage (``fsdp``,
-    ``ddp``, ``zero1``, ``zero2`` or ``single``); tensor and context parallelism and the pipeline's stages and
-    schedule are parts of this one (``tensor/``, ``context/``, ``pipeline/executor.py``).
+    ``ddp``, ``zero1``, ``zero2`` or ``single``); tensor, expert and context parallelism and the pipeline's stages
+    and schedule are its axes (``axes``, made in ``AXES`` order: ``tensor/``, ``experts/``, ``context/``,
+    ``pipeline/``, each with its ``transform.py``).
 
     Args:
         tp: tensor-parallel degree: each planned layer split over this many ranks (consecutive ranks: keep them on
