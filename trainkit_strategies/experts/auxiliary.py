@@ -13,8 +13,6 @@ it collects (``axis.install``), and a layer's term reaches the collector of the 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -33,19 +31,31 @@ class Collector:
         self.found: list[tuple[Tensor, int]] | None = None
 
 
-@contextmanager
-def collecting(module: nn.Module) -> Iterator[list[tuple[Tensor, int]]]:
+class _Collecting:
+    """One step's collection on a collector (a small object, not a generator: the step enters one every step)."""
+
+    __slots__ = ("collector", "previous")
+
+    def __init__(self, collector: Collector) -> None:
+        self.collector = collector
+
+    def __enter__(self) -> list[tuple[Tensor, int]]:
+        collector = self.collector
+        self.previous, collector.found = collector.found, []
+        return collector.found
+
+    def __exit__(self, *exc: object) -> None:
+        self.collector.found = self.previous
+
+
+def collecting(module: nn.Module) -> _Collecting:
     """Collect the auxiliary losses ``module``'s layers add while inside; yields the list they are appended to, as
     (term, tokens)."""
     collector = module.__dict__.get(COLLECTOR)
     if collector is None:
         collector = Collector()
         install(module, COLLECTOR, collector)
-    previous, collector.found = collector.found, []
-    try:
-        yield collector.found
-    finally:
-        collector.found = previous
+    return _Collecting(collector)
 
 
 def add_auxiliary_loss(term: Tensor, tokens: int = 1, layer: nn.Module | None = None) -> None:
