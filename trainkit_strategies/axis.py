@@ -30,8 +30,6 @@ from trainkit_strategies.communication.norms import combine_norm
 from trainkit_strategies.state import pieces as st
 
 _LOOKUP_FRAMES = 8  # frames above a function a layer calls searched for that layer (helpers, hooks in between)
-
-
 _INSTALLED: set[str] = set()  # the names ever installed in this process: ``installed`` looks for no other
 
 
