@@ -92,7 +92,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
                     step(name)
             dist.barrier()
             times[name].append((time.perf_counter() - start) / args.steps)
-    work = runs["cp=2 ring"][1]._cp.work  # chunk pairs of the ring's forwards so far, this rank
+    cp_axis = next(a for a in runs["cp=2 ring"][1].axes if a.name == "cp")
+    work = cp_axis.parallel.work  # chunk pairs of the ring's forwards so far, this rank
     everyone: list = [None] * world
     dist.all_gather_object(everyone, (losses, work))
     if rank == 0:
@@ -113,8 +114,9 @@ def memory_table(seq: int, layers: int = 12, width: int = 768, heads: int = 12, 
 
     from trainkit.activation import apply_activation_checkpointing
     from trainkit_strategies import ActivationMeter
+    from trainkit_strategies.axis import install
     from trainkit_strategies.communication.plan_comm import PlanComm
-    from trainkit_strategies.context.ring import ContextParallel, context_parallel, shard_sequence
+    from trainkit_strategies.context.ring import CONTEXT, ContextParallel, shard_sequence
 
     rows = []
     for cp in (1, 2, 4, 8):
@@ -128,7 +130,8 @@ def memory_table(seq: int, layers: int = 12, width: int = 768, heads: int = 12, 
                 model.to_empty(device="cpu")
                 batch = tuple(shard_sequence(torch.zeros(1, seq, dtype=torch.long), 0, cp) for _ in range(2))
                 group = ContextParallel(PlanComm(cp, 0, torch.device("cpu"))) if cp > 1 else None
-                with context_parallel(group), ActivationMeter(exclude=model.parameters()) as meter:
+                install(model, CONTEXT, group)  # what the cp axis's transform does
+                with ActivationMeter(exclude=model.parameters()) as meter:
                     model.training_step(batch, 0)
             cells.append(meter.bytes)
         rows.append((cp, cells))

@@ -156,7 +156,7 @@ class Trainkit:
     def step(self, batch: tuple[Tensor, Tensor]) -> float:
         x, y = batch
         strategy = self.strategy
-        with strategy.forward_context(), collecting() as aux:
+        with strategy.forward_context(), collecting(self.model) as aux:
             loss = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
         strategy.backward(with_auxiliary(loss, aux))
         strategy.reduce_gradients(1.0 / strategy.item_ranks)

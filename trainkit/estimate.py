@@ -35,7 +35,7 @@ from trainkit.step import unpack_output
 from trainkit.units import human, human_count, human_or_unknown, parse_bytes
 from trainkit.work import tracked
 from trainkit_strategies import ActivationMeter, Precision, Strategy, get_strategy
-from trainkit_strategies.experts.parallel import moe_layers
+from trainkit_strategies.experts.transform import moe_layers
 from trainkit_strategies.sharding.units import repeated_layers
 from trainkit_strategies.tensor.planned import plan_for
 

@@ -225,7 +225,7 @@ class ManualStep:
         start = time.perf_counter()
         self._taken, self._optimizer_s = 0, 0.0
         batch = self.strategy.local_batch(batch)
-        with self.strategy.forward_context(), collecting() as auxiliary:
+        with self.strategy.forward_context(), collecting(module) as auxiliary:
             outputs = module.training_step(batch, batch_idx) if self.with_batch_idx else module.training_step(batch)
         if auxiliary:
             raise ConfigurationError(

@@ -158,7 +158,7 @@ class OptimizerStep:
     def _training_step(self, module: nn.Module, batch: Any, batch_idx: int) -> Any:
         strategy = self.strategy
         batch = strategy.local_batch(batch)  # under context parallelism: this rank's chunks of every sequence
-        with strategy.forward_context(), collecting() as auxiliary:  # terms layers add (a MoE's balance loss)
+        with strategy.forward_context(), collecting(module) as auxiliary:  # terms layers add (a MoE's balance loss)
             outputs = module.training_step(batch, batch_idx) if self.with_batch_idx else module.training_step(batch)
         loss, n = unpack_output(outputs)
         if loss is None:

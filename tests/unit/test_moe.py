@@ -101,7 +101,7 @@ def test_capacity_routing_keeps_gshards_priority_and_counts_the_drops():
 def test_the_balance_and_z_losses_follow_their_formulas():
     layer = _moe(top_k=2)
     x = torch.randn(3, 10, 8)
-    with collecting() as found:
+    with collecting(layer) as found:
         layer(x)
     balance, z = (float(t) for t in moe_losses_by_formula(layer, x))
     assert float(layer.balance) == pytest.approx(balance, rel=1e-6)

@@ -16,10 +16,22 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from tests.simworld import CPU, SimWorld
+from trainkit_strategies.axis import install
 from trainkit_strategies.context import ring
-from trainkit_strategies.context.ring import ContextParallel, attention, attention_work, context_parallel, positions
+from trainkit_strategies.context.ring import CONTEXT, ContextParallel, attention, attention_work, positions
 
 B, H, D, M = 2, 3, 8, 5  # batch, heads, head dim, tokens per chunk (a sequence is 2c chunks)
+
+
+class Attend(torch.nn.Module):
+    """A user's layer: attention and positions, across the group the cp axis installed on it (if any)."""
+
+    def __init__(self, causal: bool) -> None:
+        super().__init__()
+        self.causal = causal
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return attention(q, k, v, is_causal=self.causal), positions(q.shape[-2])
 
 
 def _whole(c: int, seed: int = 0) -> list[torch.Tensor]:
@@ -43,9 +55,9 @@ def _run(c: int, causal: bool, method: str) -> tuple[list, list, list]:
     def rank(r: int) -> tuple:
         local = [ring.shard_sequence(t, r, c, dim=2).requires_grad_(i < 3) for i, t in enumerate((q, k, v, dout))]
         cp = ContextParallel(world.comm(r), method)
-        with context_parallel(cp):
-            out = attention(*local[:3], is_causal=causal)
-            pos = positions(2 * M)
+        layer = Attend(causal)
+        install(layer, CONTEXT, cp)  # what the cp axis's transform does
+        out, pos = layer(*local[:3])
         out.backward(local[3])
         return out.detach(), [t.grad for t in local[:3]], pos, cp.work, dict(cp.comm.stats.bytes)
 

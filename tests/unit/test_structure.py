@@ -95,7 +95,7 @@ LAYERS = [
     {"offload"},
     {"init"},
     {"state"},
-    {"base", "parts", "ranks", "registry", "wrapper"},
+    {"axis", "base", "parts", "ranks", "registry", "wrapper"},
     {"data_parallel", "sharding", "tensor", "context", "experts", "pipeline"},
     {"parallel"},
     {"__init__"},
@@ -140,6 +140,39 @@ def test_no_code_branches_on_a_strategy_name():
 
     branches = name_branches(ROOT, set(available()))
     assert not branches, branches
+
+
+AXES_FOLDERS = ("tensor", "context", "experts", "pipeline")  # each axis's folder (``trainkit_strategies/axis.py``)
+
+
+def thread_locals(root: Path) -> list[str]:
+    """Files of the axes' folders that make a ``threading.local``: what a layer needs at run time is installed on
+    the module by its axis's transform, not entered around every forward, backward and pipeline stage."""
+    found = []
+    for folder in AXES_FOLDERS:
+        for path in sorted((root / "trainkit_strategies" / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                attribute = isinstance(node, ast.Attribute) and node.attr == "local" and \
+                    isinstance(node.value, ast.Name) and node.value.id == "threading"
+                imported = isinstance(node, ast.ImportFrom) and node.module == "threading" and \
+                    any(a.name == "local" for a in node.names)
+                if attribute or imported:
+                    found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def test_no_thread_local_in_the_axes_code():
+    found = thread_locals(ROOT)
+    assert not found, f"install what a layer needs on the module instead (trainkit_strategies/axis.py): {found}"
+
+
+def test_the_thread_local_check_sees_one(tmp_path):
+    for folder in AXES_FOLDERS:
+        (tmp_path / "trainkit_strategies" / folder).mkdir(parents=True)
+    (tmp_path / "trainkit_strategies" / "context" / "a.py").write_text("import threading\n_l = threading.local()\n")
+    (tmp_path / "trainkit_strategies" / "experts" / "b.py").write_text("from threading import local\n")
+    assert thread_locals(tmp_path) == ["trainkit_strategies/context/a.py:2", "trainkit_strategies/experts/b.py:1"]
 
 
 def test_the_checks_see_a_cycle_and_a_long_file(tmp_path):

@@ -155,7 +155,8 @@ def measure(t: int, sp: bool | None, attention: SDPBackend = FLASH, checkpointin
         name_of = {p: n for n, p in named.items()}
         state = {name_of[p]: _nbytes(v for v in s.values() if torch.is_tensor(v))
                  for p, s in strategy.optimizer.state.items()}
-        split = {n for n, p in named.items() if p in strategy.applied.splits} if t > 1 else set()
+        splits = next(a.splits for a in strategy.axes if a.name == "tp") if t > 1 else {}
+        split = {n for n, p in named.items() if p in splits}
         return {"activations": meter.bytes, "split": split,
                 "params": {n: _nbytes([p]) for n, p in named.items()},
                 "grads": {n: _nbytes([p.grad]) for n, p in named.items()},

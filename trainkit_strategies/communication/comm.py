@@ -1,23 +1,22 @@
 """Collectives with byte accounting: the only module in trainkit that calls torch.distributed ops.
 
-Every call adds its payload to ``Comm.stats``: all_reduce counts the tensor reduced, reduce_scatter
-the full input, all_gather the full output, broadcast / send / recv the tensor moved. In the units
-of the ZeRO paper (§7), an all-reduce of Ψ elements moves as much as a reduce-scatter plus an
-all-gather of Ψ, which ``CommStats.volume`` reports (all_reduce weighted 2, the others 1).
+Every call adds its payload to ``Comm.stats``: all_reduce counts the tensor reduced, reduce_scatter the full input,
+all_gather the full output, broadcast / send / recv the tensor moved. In the units of the ZeRO paper (§7), an
+all-reduce of Ψ elements moves as much as a reduce-scatter plus an all-gather of Ψ, which ``CommStats.volume`` reports
+(all_reduce weighted 2, the others 1).
 
-With ``world_size == 1`` the same calls run with communication skipped (all_gather copies, others
-return at once) and count nothing, so strategies need no single-process branch.
+With ``world_size == 1`` the same calls run with communication skipped (all_gather copies, others return at once) and
+count nothing, so strategies need no single-process branch.
 
-On gloo, ``reduce_scatter`` and ``all_gather`` (above 4 KB: a smaller one pays one call's latency, not a ring's
-W-1 rounds) run as rings of point-to-point exchanges written here:
-gloo's own ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` each take about twice as long as
-a whole all-reduce of the same buffer (measured: 58 and 55 ms against 27 ms for 8.4M fp32 elements
-on 2 ranks), which would make every sharded strategy pay four all-reduces' worth of time for what
-the ZeRO paper counts as one. A ring moves (W-1)/W of the buffer per rank in W-1 rounds (Patarasuk &
-Yuan, 2009). NCCL keeps its native collectives. Each round's exchange travels as messages of at most
-``MESSAGE_BYTES`` posted together: one gloo message of many megabytes crosses a network link at about half its
-rate (measured on a 1 Gb/s link between two hosts: 16.8 MB as one message 248 ms, as 1 MiB messages 141 ms against
-the 134 ms the rate allows; ``benchmarks/link.py``), and over loopback the split costs nothing measurable.
+On gloo, ``reduce_scatter`` and ``all_gather`` (above 4 KB: a smaller one pays one call's latency, not a ring's W-1
+rounds) run as rings of point-to-point exchanges written here: gloo's own ``reduce_scatter_tensor`` and
+``all_gather_into_tensor`` each take about twice as long as a whole all-reduce of the same buffer (measured: 58 and 55
+ms against 27 ms for 8.4M fp32 elements on 2 ranks), which would make every sharded strategy pay four all-reduces'
+worth of time for what the ZeRO paper counts as one. A ring moves (W-1)/W of the buffer per rank in W-1 rounds
+(Patarasuk & Yuan, 2009). NCCL keeps its native collectives. Each round's exchange travels as messages of at most
+``MESSAGE_BYTES`` posted together: one gloo message of many megabytes crosses a network link at about half its rate
+(measured on a 1 Gb/s link between two hosts: 16.8 MB as one message 248 ms, as 1 MiB messages 141 ms against the 134
+ms the rate allows; ``benchmarks/link.py``), and over loopback the split costs nothing measurable.
 """
 
 from __future__ import annotations
@@ -130,9 +129,8 @@ class CommStats:
 class Handle:
     """An in-flight collective; ``wait()`` blocks until it finished (no-op when it ran synchronously).
 
-    A ring collective is a generator that yields the point-to-point works of each round: the first
-    round is posted when the handle is made (so it overlaps with whatever the caller does next), the
-    rest run inside ``wait()``.
+    A ring collective is a generator that yields the point-to-point works of each round: the first round is posted
+    when the handle is made (so it overlaps with whatever the caller does next), the rest run inside ``wait()``.
     """
 
     __slots__ = ("_comm", "_p2p", "_rounds", "_work")
@@ -304,10 +302,8 @@ class Comm:
         return self._run(dist.all_reduce, tensor, op=_OPS[op], async_op=async_op)
 
     def reduce_scatter(self, output: Tensor, input: Tensor, op: str = "sum", async_op: bool = False) -> Handle:
-        """``output`` (1/N of ``input``) receives this rank's slice of the reduction of ``input``.
-
-        ``input`` is scratch space: its contents are undefined afterwards.
-        """
+        """``output`` (1/N of ``input``) receives this rank's slice of the reduction of ``input``; ``input`` is
+        scratch space (its contents are undefined afterwards)."""
         if not self.active:
             _copy_alone(output, input)
             return DONE
@@ -407,18 +403,25 @@ class Comm:
 
     def broadcast_coalesced(self, tensors: list[Tensor], src: int = 0) -> None:
         """Broadcast ``tensors`` from group rank ``src`` in place, one flattened collective per dtype."""
+        self._coalesced(tensors, lambda flat: self.broadcast(flat, src))
+
+    def all_reduce_coalesced(self, tensors: list[Tensor], op: str = "sum") -> None:
+        """Reduce ``tensors`` in place, one flattened all-reduce per dtype (counted as ``all_reduce``): the gradients
+        an axis leaves whole and sums across its group (tensor parallelism's, expert parallelism's)."""
+        self._coalesced(tensors, lambda flat: self.all_reduce(flat, op))
+
+    def _coalesced(self, tensors: list[Tensor], collective: Any) -> None:
+        """``collective`` on one flat buffer per dtype of ``tensors``, copied back into them."""
         if not self.active:
             return
         by_dtype: dict[object, list[Tensor]] = {}
         for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
+            by_dtype.setdefault(t.dtype, []).append(t.detach())
         for group in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in group])
-            self.broadcast(flat, src)
-            offset = 0
-            for t in group:
-                t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+            flat = torch.cat([t.reshape(-1) for t in group])
+            collective(flat)
+            for t, part in zip(group, flat.split([t.numel() for t in group]), strict=True):
+                t.copy_(part.view_as(t))
 
     def shift(self, send: Tensor, recv: Tensor, ring: list[int] | None = None) -> Handle:
         """One hop of a ring, asynchronously: ``send`` goes to the next rank of the ring and ``recv`` receives the

@@ -29,10 +29,7 @@ the log-sum-exp and takes it back in backward) and through an exact written-out 
 
 from __future__ import annotations
 
-import contextlib
 import math
-import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
+from trainkit_strategies.axis import installed
 from trainkit_strategies.communication.comm import Comm, Handle
 from trainkit_strategies.context.ulysses import ulysses_attention
 from trainkit_strategies.errors import ConfigurationError
@@ -99,24 +97,18 @@ class ContextParallel:
             parts[(rank - step - 2) % size] += incoming
         return parts[rank]
 
+    def __deepcopy__(self, memo: dict) -> None:
+        """A copy of the model (``copy.deepcopy``) runs on its own: a communicator holds a process group, which
+        cannot be copied."""
+        return None
 
-_local = threading.local()  # .active: the ContextParallel of this thread's forward (ranks as threads count apart)
+
+CONTEXT = "context_parallel"  # the attribute the ``cp`` axis installs it as on every module of the model
 
 
 def current() -> ContextParallel | None:
-    """The context-parallel group of the forward running on this thread, or None."""
-    return getattr(_local, "active", None)
-
-
-@contextlib.contextmanager
-def context_parallel(cp: ContextParallel | None) -> Iterator[None]:
-    """Run the block's forward (and backward: recomputation calls ``attention`` again) in ``cp``."""
-    previous = current()
-    _local.active = cp if cp is not None and cp.size > 1 else None
-    try:
-        yield
-    finally:
-        _local.active = previous
+    """The context-parallel group of the module whose forward calls this (``axis.installed``), or None."""
+    return installed(CONTEXT)
 
 
 def chunk_order(rank: int, size: int) -> tuple[int, int]:

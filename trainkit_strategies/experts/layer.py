@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trainkit_strategies.experts.auxiliary import add_auxiliary_loss
-from trainkit_strategies.experts.context import ExpertContext, current
+from trainkit_strategies.experts.context import ExpertContext
 from trainkit_strategies.experts.dispatch import dispatch
 from trainkit_strategies.experts.routing import (
     BALANCES,
@@ -75,6 +75,7 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(experts, hidden, dim))
         self.shared = SwiGLU(dim, shared_hidden) if shared_hidden else None
         self.expert_parallel = 1  # the ranks the experts are divided among (``parallel``'s ep sets it)
+        self.expert_context = ExpertContext()  # where its experts and its sequences' other tokens are (the ep axis's)
         self.tokens_per_expert: Tensor | None = None
         self.dropped: Tensor | None = None
         self.balance: Tensor | None = None
@@ -91,7 +92,7 @@ class MoE(nn.Module):
         return self.w1.shape[0]
 
     def forward(self, x: Tensor) -> Tensor:
-        context = current() or ExpertContext()
+        context = self.expert_context
         ep = context.ep if context.ep is not None and context.ep.active else None
         if (ep.world_size if ep is not None else 1) != self.expert_parallel:
             raise RuntimeError(f"This MoE layer's experts are divided among {self.expert_parallel} ranks, but its "
@@ -113,7 +114,7 @@ class MoE(nn.Module):
                                         context.slices)
             self.z = z_loss(logits, context.slices)
             terms = self.balance_coef * self.balance + self.z_coef * self.z
-            add_auxiliary_loss(terms, tokens.shape[0] * context.slices)
+            add_auxiliary_loss(terms, tokens.shape[0] * context.slices, self)
             self.balance, self.z = self.balance.detach(), self.z.detach()
         routed, counts = dispatch(tokens, experts, weights.to(x.dtype), keep, self.num_experts, self.w1, self.w3,
                                   self.w2, ep)

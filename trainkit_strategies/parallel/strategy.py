@@ -9,14 +9,17 @@ The world is the grid ``pp x dp_replicate x dp_shard x cp x tp`` (``layout.py``)
   chooses them); with ``dp_replicate`` > 1 as well, the shards are replicated and their gradients all-reduced
   across replicas once per step (HSDP); with only ``dp_replicate``, ``ddp`` among the replicas;
 - with ``pp`` > 1, one stage's layers (``pipeline_layers()``), the pipeline's schedules running between stages and
-  all of the above inside each stage (``PipelinedParallel``);
+  all of the above inside each stage (``pipeline/transform.py``);
 - with ``cp`` > 1, two of ``2 x cp`` chunks of every sequence (``local_batch``), attention running across the
   context-parallel group (``context/ring.py``) and parameters sharded over ``dp_shard x cp``.
 
-Gradients of parameters the plan leaves whole are summed across the tensor-parallel group under sequence
-parallelism (each rank saw a slice of the sequence) and counted once in norms; the batch is read once per
-data-parallel coordinate, by all the tensor-parallel ranks of it; checkpoints hold each parameter's part as a
-strided piece, so they resume under any strategy and layout.
+Each of tp, ep, cp and pp is an ``Axis`` (``trainkit_strategies/axis.py``; its folder's ``transform.py``), and every
+part of a step loops over the active ones in the order of ``AXES``: transform the model, cut this rank's part,
+reduce the gradients after the engine has, combine norms, name checkpoint pieces, gather tensors whole. Gradients of
+parameters the plan leaves whole are summed across the tensor-parallel group under sequence parallelism (each rank
+saw a slice of the sequence) and counted once in norms; the batch is read once per data-parallel coordinate, by all
+the tensor-parallel ranks of it; checkpoints hold each parameter's part as a strided piece, so they resume under any
+strategy and layout.
 """
 
 from __future__ import annotations
@@ -24,39 +27,36 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-from collections.abc import Collection, Iterator
+from collections.abc import Collection
 from typing import Any
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from trainkit_strategies.axis import Axis
 from trainkit_strategies.base import Strategy
 from trainkit_strategies.capabilities import Parallelizes, RunsSchedule, StepsInBackward
 from trainkit_strategies.communication.comm import Comm
 from trainkit_strategies.communication.environment import Environment
 from trainkit_strategies.communication.layout import Layout, Mesh, check_degrees, resolve_layout
-from trainkit_strategies.communication.norms import combine_norm
-from trainkit_strategies.context.huggingface import adopt as adopt_huggingface
-from trainkit_strategies.context.ring import METHODS, ContextParallel, context_parallel, shard_sequence
-from trainkit_strategies.errors import ConfigurationError
-from trainkit_strategies.experts.context import ExpertContext, expert_context
-from trainkit_strategies.experts.parallel import ExpertParallel
+from trainkit_strategies.context.ring import METHODS
+from trainkit_strategies.context.transform import ContextAxis
+from trainkit_strategies.experts.transform import ExpertParallel
 from trainkit_strategies.pipeline.executor import STAGE_AXES, Pipeline, check_schedule
 from trainkit_strategies.pipeline.microbatches import missing_hooks
+from trainkit_strategies.pipeline.transform import PipelineAxis
 from trainkit_strategies.precision import Precision
 from trainkit_strategies.registry import get_strategy, strategy_class
 from trainkit_strategies.state import pieces as st
-from trainkit_strategies.tensor.huggingface import indivisible_heads
-from trainkit_strategies.tensor.layers import Split
-from trainkit_strategies.tensor.plan import Applied, apply_plan
-from trainkit_strategies.tensor.planned import gathered, plan_for, same_start, split_for_trace, unplanned
+from trainkit_strategies.tensor.planned import split_for_trace, unplanned
+from trainkit_strategies.tensor.transform import TensorParallel
 from trainkit_strategies.wrapper import Wrapper
 
 AXES_USED = [("tp",), ("dp_shard", "cp"), ("dp_replicate",), ("dp_replicate", "dp_shard", "ep", "cp"),
              ("pp", "dp_replicate", "dp_shard", "ep", "cp"), ("cp",), ("ep",), ("cp", "tp"), ("ep", "tp")]
 ENGINES = ("ddp", "zero1", "zero2", "zero_offload", "zero3", "fsdp")  # every one-axis preset is one of these
+AXES: tuple[type[Axis], ...] = (TensorParallel, ExpertParallel, ContextAxis, PipelineAxis)  # applied in this order
 
 
 class ParallelStrategy(Wrapper, Parallelizes):
@@ -65,8 +65,9 @@ class ParallelStrategy(Wrapper, Parallelizes):
     --trainer.strategy.tp 2 --trainer.strategy.dp_shard 2``.
 
     It nests one strategy: the data-parallel engine of the ranks holding the same slices of a stage (``fsdp``,
-    ``ddp``, ``zero1``, ``zero2`` or ``single``); tensor and context parallelism and the pipeline's stages and
-    schedule are parts of this one (``tensor/``, ``context/``, ``pipeline/executor.py``).
+    ``ddp``, ``zero1``, ``zero2`` or ``single``); tensor, expert and context parallelism and the pipeline's stages
+    and schedule are its axes (``axes``, made in ``AXES`` order: ``tensor/``, ``experts/``, ``context/``,
+    ``pipeline/``, each with its ``transform.py``).
 
     Args:
         tp: tensor-parallel degree: each planned layer split over this many ranks (consecutive ranks: keep them on
@@ -123,8 +124,7 @@ class ParallelStrategy(Wrapper, Parallelizes):
                              "tp, dp_shard and dp_replicate): use pp=1, or cp=1.")
         self.tp, self.dp_shard, self.dp_replicate, self.pp = tp, dp_shard, dp_replicate, pp
         self.cp, self.cp_method, self.ep = cp, cp_method, ep
-        self.experts: ExpertParallel | None = None
-        self._cp: ContextParallel | None = None
+        self.axes: list[Axis] = []  # the active ones, in ``AXES`` order (``setup_environment`` makes them)
         self.sequence_parallel = sequence_parallel and tp > 1
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.bucket_mb, self.tp_across_nodes, self.data_parallel = bucket_mb, tp_across_nodes, data_parallel
@@ -137,12 +137,6 @@ class ParallelStrategy(Wrapper, Parallelizes):
             check_schedule(schedule, data_parallel or "fsdp")
         self.mesh: Mesh | None = None
         self.inner: Strategy = get_strategy("single")
-        self.applied = Applied()
-        self._replicated: list[Tensor] = []
-        self._strided: dict[str, st.Strided] = {}
-        self._split_of: dict[str, Split] = {}  # the engine's parameter names -> how tensor parallelism split them
-        self._expert_split_of: dict[str, Split] = {}  # ... -> how expert parallelism divided them
-        self._dense: list[Tensor] = []  # under ep: the parameters every rank of the group holds whole
         self._whole_shapes: dict[str, tuple[int, ...]] = {}
         self._whole_shape: dict[Tensor, tuple[int, ...]] = {}  # by parameter, as parallelize found them
         self._parallelized = False
@@ -166,24 +160,17 @@ class ParallelStrategy(Wrapper, Parallelizes):
         Strategy.setup_environment(self, env, comm)
         axes = [*AXES_USED, ("pp",), STAGE_AXES] if self.pipeline is not None else AXES_USED
         self.mesh = Mesh(self.layout_for(env.world_size, env.local_world_size), self.comm, axes)
-        self.layout, coords = self.mesh.layout, self.mesh.coords
+        self.layout = self.mesh.layout
         self.tp_comm = self.mesh.comm("tp")
         # ranks holding different tokens: counts and metrics are summed over them, gradients too (the sharding
         # engine's group takes in the context-parallel ranks: torchtitan's dp_shard x cp)
         self.dp_comm = self.mesh.comm(("dp_replicate", "dp_shard", "ep", "cp"))
         self.items_comm = self.mesh.comm(("pp", "dp_replicate", "dp_shard", "ep", "cp"))  # every rank but tp's peers
-        self.experts = ExpertParallel(self.mesh.comm("ep")) if self.layout.ep > 1 else None
-        shard, replicate = self.mesh.comm(("dp_shard", "cp")), self.mesh.comm("dp_replicate")
-        # attention's traffic rides on the sharding engine's communicator, between the ranks of this cp group
-        peers = self.layout.group(self.mesh.world.rank, ("cp",))
-        ring = [shard.ranks.index(self.mesh.world.ranks[p]) for p in peers] if self.layout.cp > 1 else None
-        self._cp = ContextParallel(shard, self.cp_method, ring) if ring is not None else None
-        self.tp_rank = coords["tp"]
-        if self.pipeline is not None:
-            self.pipeline.connect(self.comm, self.mesh, self.device, lambda: expert_context(self._experts_here()))
+        self.axes = [axis for axis in (kind.of(self) for kind in AXES) if axis is not None]
         name, group = self._engine(self.layout)
         self.inner = self._make_engine(name)
         local = dataclasses.replace(env, rank=group.rank, local_rank=group.rank, world_size=group.world_size)
+        replicate = self.mesh.comm("dp_replicate")
         if replicate.active and self.layout.dp_shard * self.layout.cp > 1:  # HSDP: shards all-reduced across replicas
             self.inner.setup_environment(local, comm=group, replicas=replicate)  # type: ignore[call-arg]
         else:
@@ -241,102 +228,54 @@ class ParallelStrategy(Wrapper, Parallelizes):
         return self.layout.dp * self.layout.cp
 
     def local_batch(self, batch: Any) -> Any:
-        """Under context parallelism this rank's two chunks of every sequence (dimension 1 of every tensor of two
-        or more dimensions); the batch as it is otherwise."""
-        if self._cp is None:
-            return batch
-        cp = self._cp
-        return apply_to_collection(batch, Tensor, lambda t: shard_sequence(t, cp.rank, cp.size) if t.dim() >= 2
-                                   else t)
+        """This rank's part of the batch: under context parallelism its two chunks of every sequence."""
+        for axis in self.axes:
+            batch = axis.local_batch(batch)
+        return batch
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         if self.pipeline is not None:
             return contextlib.nullcontext()  # the schedule applies the engine's around each stage's forward
-        return self._forward_context()
-
-    @contextlib.contextmanager
-    def _forward_context(self) -> Iterator[None]:
-        with self.inner.forward_context(), context_parallel(self._cp), expert_context(self._experts_here()):
-            yield  # attention across the cp group, experts across the ep group, if any
-
-    def backward(self, loss: Tensor, gradient: Tensor | None = None) -> None:
-        with context_parallel(self._cp), expert_context(self._experts_here()):  # for blocks recomputed in backward
-            self.inner.backward(loss, gradient)
-
-    def _experts_here(self) -> ExpertContext | None:
-        """Where a MoE layer's experts and the other parts of its sequences are (``experts/context.py``)."""
-        if self.mesh is None:
-            return None
-        slices = self.tp if self.sequence_parallel else 1  # under sequence parallelism each tp rank routes a slice
-        return ExpertContext(self.experts.comm if self.experts is not None else None,
-                             self.mesh.comm(("cp", "tp") if self.sequence_parallel else ("cp",)), slices)
+        return self.inner.forward_context()
 
     def ability(self, kind: type) -> Any:
         """Its pipeline runs the schedules (``RunsSchedule``) when it has stages; the engine steps during backward
-        (``StepsInBackward``: zero_offload) where nothing of this layout acts on gradients after the engine's
-        reduction (no tensor-parallel sum, no tied stages)."""
+        (``StepsInBackward``: zero_offload) where no axis of this layout acts on gradients after the engine's
+        reduction (no tensor- or expert-parallel sum, no tied stages)."""
         if kind is RunsSchedule:
             return self.pipeline
-        if kind is StepsInBackward and self.tp == 1 and self.pipeline is None:
+        if kind is StepsInBackward and not any(axis.acts_on_gradients and axis.comm.active for axis in self.axes):
             return self.inner.ability(kind)
         return super().ability(kind)
 
     # -- transforms and setup ------------------------------------------------------------------------
     def parallelize(self, module: nn.Module) -> None:
-        """Tensor parallelism, applied to the whole model before any engine sees it: every layer its
-        ``tensor_parallel_plan()`` names cut to this rank's part (a pipeline cuts the stages afterwards, and the
-        engine shards what this leaves). Every tensor-parallel rank starts from tensor-parallel rank 0's values."""
+        """The axes' transforms, applied to the whole model before any engine sees it, in ``AXES`` order (tensor
+        parallelism cuts its planned layers, expert parallelism its experts, context parallelism installs its group;
+        a pipeline cuts the stages in ``setup``, and the engine shards what they leave)."""
         self._whole_shape = {p: tuple(p.shape) for p in module.parameters()}
-        if self.tp > 1:
-            plan = plan_for(module)
-            if plan is None:
-                raise TypeError(
-                    f"Strategy 'parallel' with tp={self.tp} needs {type(module).__name__} to define "
-                    "tensor_parallel_plan() -> {submodule pattern: style} (which layers are split, and how), or to "
-                    "hold a Hugging Face model that declares one; see docs/parallel.md, or run with tp=1."
-                )
-            heads = indivisible_heads(module, self.tp)
-            if heads is not None:
-                raise ConfigurationError(f"Strategy 'parallel' with tp={self.tp}: {heads}")
-            same_start(module, self.tp_comm, self.device)
-            self.applied = apply_plan(module, plan, self.tp_comm, self.sequence_parallel)
-        if self.experts is not None:
-            same_start(module, self.mesh.comm("ep"), self.device)  # each rank cuts its experts from one whole
-            self.experts.divide(module)
-        if self.cp > 1:
-            adopt_huggingface(module)  # Hugging Face attention across the cp group, with the rank's positions
+        for axis in self.axes:
+            axis.transform(module, self.device)
         self._sync_metrics_over_data(module)
         self._parallelized = True
 
     def setup(self, module: nn.Module, optimizer: Optimizer | None, precision: Precision) -> None:
         """The engine on ``module`` (the model ``parallelize`` transformed; a module no one parallelized is
-        parallelized first), or on this rank's stage of it under a pipeline."""
+        parallelized first), or on this rank's part of it (its pipeline stage)."""
         if not self._parallelized:
             self.parallelize(module)
         self._bind(module, optimizer, precision)
         target = module
-        if self.pipeline is not None:
-            shapes, _ = self._whole_state(skip=set())
-            target = self.pipeline.cut(module, optimizer, self.inner, self.whole_shape, shapes)
+        shapes, _ = self._whole_state(skip=set())
+        for axis in self.axes:
+            target = axis.local_module(target, optimizer, self.inner, self.whole_shape, shapes)
         names = st.param_names(target)
         self._whole_shapes = {n: self.whole_shape(p) for p, n in names.items()}
-        self._split_of = {names[p]: split for p, split in self.applied.splits.items() if p in names}
-        self._strided = {n: st.Strided(*split.strides(self._whole_shapes[n], self.tp_rank))
-                         for n, split in self._split_of.items()}
-        self._replicated = [p for p in target.parameters() if p not in self.applied.splits]
-        if self.tp > 1:
-            self.inner.keep_apart(self._replicated)  # summed across tp, counted once
-        if self.experts is not None:
-            experts = {names[p]: split for p, split in self.experts.splits.items() if p in names}
-            self._expert_split_of = experts
-            self._strided |= {n: st.Strided(*split.strides(self._whole_shapes[n], self.experts.rank))
-                              for n, split in experts.items()}
-            self._dense = self.experts.replicated(list(target.parameters()))
-            self.inner.keep_apart(self._dense)  # summed across ep, counted once
+        for axis in self.axes:
+            axis.bind(target, names, self.inner, self._whole_shapes)
         self.inner.setup(target, optimizer, precision)
-        if self.pipeline is not None:
-            self._place(module)  # what no stage holds: metric states, say
-            self.pipeline.open_channels()
+        for axis in self.axes:
+            axis.opened(module, self.inner)
         self._parallelized = False  # the next module set up is parallelized anew
 
     def whole_shape(self, param: Tensor) -> tuple[int, ...]:
@@ -355,46 +294,31 @@ class ParallelStrategy(Wrapper, Parallelizes):
 
     # -- gradients -----------------------------------------------------------------------------------
     def reduce_gradients(self, scale: float | Tensor) -> None:
+        """The engine's reduction over the data-parallel ranks, then each axis's (``Axis.reduce_gradients``)."""
         self.inner.reduce_gradients(scale)
-        if self.sequence_parallel and self.tp_comm.active:  # each rank saw a slice of the sequence: partial sums
-            grads = self.inner.gradients_of(self._replicated)
-            by_dtype: dict[torch.dtype, list[Tensor]] = {}
-            for g in grads:
-                by_dtype.setdefault(g.dtype, []).append(g)
-            for group in by_dtype.values():
-                flat = torch.cat([g.reshape(-1) for g in group])
-                self.tp_comm.all_reduce(flat)
-                offset = 0
-                for g in group:
-                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                    offset += g.numel()
-        if self.experts is not None:  # all but the experts saw other tokens on each rank of the group
-            self.experts.sum_replicated(self.inner.gradients_of(self._dense))
-        if self.pipeline is not None:
-            self.pipeline.reduce_tied()
+        for axis in self.axes:
+            axis.reduce_gradients(self.inner)
 
     def grad_norm(self, norm_type: float = 2.0, exclude: Collection[Tensor] = ()) -> Tensor:
-        """The engine's norm of this rank's slices (whole parameters counted on tensor-parallel rank 0 only, a
-        parameter tied across stages on its first stage), combined across the tensor-parallel group and the stages."""
-        others = self._replicated if self.tp_rank != 0 else []
-        if self.experts is not None and self.experts.rank != 0:
-            others = [*others, *self._dense]  # whole on every rank of the ep group: counted on its first
-        tied = self.pipeline.counted_elsewhere() if self.pipeline is not None else []
-        norm = combine_norm(self.inner.grad_norm(norm_type, [*exclude, *others, *tied]), norm_type, self.tp_comm)
-        if self.experts is not None:
-            norm = combine_norm(norm, norm_type, self.experts.comm)
-        return combine_norm(norm, norm_type, self.pipeline.pipe) if self.pipeline is not None else norm
+        """The engine's norm of this rank's parts, leaving out what another rank of an axis counts (a whole
+        parameter on tensor-parallel rank 0 only, a parameter tied across stages on its first stage), combined across
+        each axis's group."""
+        elsewhere = [p for axis in self.axes for p in axis.counted_elsewhere()]
+        norm = self.inner.grad_norm(norm_type, [*exclude, *elsewhere])
+        for axis in self.axes:
+            norm = axis.combine_norm(norm, norm_type)
+        return norm
 
     def own_comms(self) -> list[Comm]:
-        return [self.tp_comm, self.dp_comm, *([self.experts.comm] if self.experts is not None else []),
-                *(self.pipeline.own_comms() if self.pipeline is not None else [])]
+        unique = {id(c): c for c in [self.tp_comm, self.dp_comm, *(c for axis in self.axes for c in axis.comms())]}
+        return list(unique.values())
 
     def comms_by_axis(self) -> dict[str, list[Comm]]:
         assert self.mesh is not None
         axes = {"tp": [self.tp_comm], "dp_shard": [self.mesh.comm(("dp_shard", "cp"))],
                 "dp_replicate": [self.mesh.comm("dp_replicate")], "ep": [self.mesh.comm("ep")]}
-        if self.pipeline is not None:
-            axes["pp"] = [self.comm, *self.pipeline.own_comms()]
+        for axis in self.axes:
+            axes.setdefault(axis.name, axis.comms())
         listed = {id(c) for comms in axes.values() for c in comms}
         axes["dp"] = [self.dp_comm, *(c for c in self.inner.comms() if id(c) not in listed)]
         return axes
@@ -413,11 +337,7 @@ class ParallelStrategy(Wrapper, Parallelizes):
         return self, [stage * (world_size // self.pp) for stage in range(self.pp)]
 
     def describe(self) -> str:
-        if self.pipeline is not None:
-            return f"{self.layout}, layers {self.pipeline.stage_sizes}"
-        experts = "" if self.experts is None else f", expert weights {self.experts.held() / 1e6:.2f} MB per rank"
-        return str(self.layout) + ("" if self.sequence_parallel or self.tp == 1 else ", no sequence parallelism") + \
-            experts
+        return ", ".join([str(self.layout), *(d for d in (axis.describe() for axis in self.axes) if d)])
 
     def activation_model(self, model: nn.Module, device: torch.device) -> nn.Module:
         return split_for_trace(model, self.tp, self.sequence_parallel, device)
@@ -443,34 +363,26 @@ class ParallelStrategy(Wrapper, Parallelizes):
 
     # -- state -------------------------------------------------------------------------------------
     def state_layout(self) -> st.StateLayout:
-        """The engine's holders with each split parameter's part described (``Strided``) and whole shapes (a part
-        written by one replica, a whole parameter by tensor-parallel rank 0 of it), under the module's names."""
+        """The engine's holders with each axis's part described (a divided parameter's piece as ``Strided``, whole
+        shapes; a part written by one replica, a whole parameter by each axis's first rank), under the module's
+        names."""
         assert self.mesh is not None
         inner = self.inner.state_layout()
         first_replica = self.mesh.coords["dp_replicate"] == 0
-
-        expert_rank = self.experts.rank if self.experts is not None else 0
-
-        def convert(holder: st.Holder) -> st.Holder:  # a part written by its rank, a whole one by the group's first
-            segments = tuple(dataclasses.replace(s, strided=self._strided.get(s.name)) for s in holder.segments)
-            split = bool(segments) and all(s.name in self._split_of for s in segments)
-            experts = bool(segments) and all(s.name in self._expert_split_of for s in segments)
-            write = first_replica and (split or self.tp_rank == 0) and (experts or expert_rank == 0)
-            return st.Holder(holder.tensor, segments, holder.write and write)
-
-        layout = st.StateLayout({**inner.shapes, **self._whole_shapes}, [convert(h) for h in inner.model],
-                                inner.optimizer, [convert(h) for h in inner.optimizer_holders], inner.group_names)
-        return layout if self.pipeline is None else self.pipeline.renamed(layout, self._group_names)
+        layout = st.StateLayout({**inner.shapes, **self._whole_shapes},
+                                [dataclasses.replace(h, write=h.write and first_replica) for h in inner.model],
+                                inner.optimizer,
+                                [dataclasses.replace(h, write=h.write and first_replica) for h in
+                                 inner.optimizer_holders], inner.group_names)
+        for axis in self.axes:
+            layout = axis.state(layout, self._group_names)
+        return layout
 
     def _whole(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Split tensors made whole from every tensor-parallel (expert-parallel) rank's part (collective over the
-        group), then, under a pipeline, every stage's gathered."""
-        experts = self.experts.comm if self.experts is not None else self.tp_comm
-        for comm, splits in ((self.tp_comm, self._split_of), (experts, self._expert_split_of)):
-            if comm.active and splits:
-                tensors = {name: gathered(t, splits[name], comm) if name in splits else t
-                           for name, t in tensors.items()}
-        return tensors if self.pipeline is None else self.pipeline.gathered(tensors)
+        """Tensors made whole across every axis (collective over each group), in ``AXES`` order."""
+        for axis in self.axes:
+            tensors = axis.whole(tensors)
+        return tensors
 
     def full_parameters(self) -> dict[str, Tensor]:
         return self._whole(self.inner.full_parameters())

@@ -110,15 +110,11 @@ class Pipeline(RunsSchedule):
         self._to_global: dict[str, str] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._actions: dict[int, list] = {}  # micro-batch count -> this stage's schedule
-        self.around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # connect() sets it
 
     # -- topology ------------------------------------------------------------------------------------
-    def connect(self, comm: Comm, mesh: Mesh, device: torch.device,
-                around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
+    def connect(self, comm: Comm, mesh: Mesh, device: torch.device) -> None:
         """This rank's stage of ``mesh`` (whose ``pp`` axis is the stages) and the links to its neighbours, over
-        ``comm`` (the mesh's world); ``around``: the layout's contexts for each stage's forward and backward (where
-        its MoE layers' experts are). Collective: every rank makes every group, in one order."""
-        self.around = around
+        ``comm`` (the mesh's world). Collective: every rank makes every group, in one order."""
         stages, v = mesh.layout.pp, self.virtual_stages
         if v > 1 and stages < 2:
             raise ConfigurationError(
@@ -294,7 +290,7 @@ class Pipeline(RunsSchedule):
                     batch_tensors = [t for t in tree_leaves(chunks[mb]) if isinstance(t, Tensor)]  # no activations:
                     meter = ActivationMeter([*self._stage.parameters(), *batch_tensors]) \
                         if self.measure_activations else None  # the batch is alive for the step under any schedule
-                    with self.engine.forward_context(), self.around(), collecting() as auxiliary, \
+                    with self.engine.forward_context(), collecting(self._stage.chunks[c]) as auxiliary, \
                             meter or contextlib.nullcontext():
                         out = self._stage.chunks[c](x)
                         if k == last_k:
@@ -321,8 +317,7 @@ class Pipeline(RunsSchedule):
                     if split and k:  # the input's gradient now, the weights' at W
                         input_grads[key], weights[key] = input_gradient(out, grad, inputs.pop(key), self._params[c])
                         continue
-                    with self.around():
-                        self.engine.backward(out, grad)
+                    self.engine.backward(out, grad)
                     if k:
                         input_grads[key] = inputs.pop(key).grad
                     live, live_bytes = live - 1, live_bytes - held.pop(key)
@@ -335,7 +330,7 @@ class Pipeline(RunsSchedule):
                 elif kind == "W":
                     pending = weights.pop(key, None)
                     if pending is not None:  # else B ran the whole backward (the first chunk: no input gradient)
-                        with self.engine.backward_pass(), self.around():
+                        with self.engine.backward_pass():
                             pending.run()
                         live, live_bytes = live - 1, live_bytes - held.pop(key)
         before = time.perf_counter()
@@ -362,7 +357,7 @@ class Pipeline(RunsSchedule):
         last_k = self.stages * self.virtual_stages - 1
         totals: dict[str, tuple[Tensor, float]] = {}
         sends: list[Handle] = []
-        with torch.no_grad(), self.engine.forward_context(), self.around():
+        with torch.no_grad(), self.engine.forward_context():
             for c, k in enumerate(self._virtual):  # every micro-batch through chunk 0, then chunk 1, ...
                 for mb, chunk in enumerate(chunks):
                     key = ("eval", signature(chunk))

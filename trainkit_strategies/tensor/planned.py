@@ -7,13 +7,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from trainkit_strategies.communication.comm import Comm
 from trainkit_strategies.communication.plan_comm import PlanComm
 from trainkit_strategies.tensor.huggingface import indivisible_heads
 from trainkit_strategies.tensor.huggingface import plan_of as hf_plan_of
-from trainkit_strategies.tensor.layers import Split
 from trainkit_strategies.tensor.plan import apply_plan
 
 
@@ -51,11 +50,3 @@ def same_start(module: nn.Module, comm: Comm, device: torch.device) -> None:
                 on_device = p.data.to(device)
                 comm.broadcast(on_device, src=0)
                 p.data.copy_(on_device)
-
-
-def gathered(t: Tensor, split: Split, comm: Comm) -> Tensor:
-    """``t``, this rank's part of a tensor ``split`` over ``comm``, made whole (collective)."""
-    t = t.contiguous()
-    parts = t.new_empty((comm.world_size, *t.shape))
-    comm.all_gather(parts.view(-1), t.view(-1))
-    return split.whole(list(parts))
