@@ -109,12 +109,7 @@ def materialise_meta(root: nn.Module, replayer: Replayer | None, device: torch.d
             home = homes.get(old)
             shape = old[parts[old]] if old in parts else old
             data = home if home is not None else torch.empty_like(shape, device=device, dtype=torch.float32)
-            new = nn.Parameter(data, requires_grad=old.requires_grad)
-            for owner in root.modules():
-                for key, value in owner._parameters.items():
-                    if value is old:
-                        owner._parameters[key] = new
-            replaced[old] = new
+            replaced[old] = replace_parameter(root, old, data)
         for name, buf in buffers.items():
             mod._buffers[name] = torch.empty_like(buf, device=device)
         olds = {**{(n, "p"): t for n, t in metas.items()}, **{(n, "b"): t for n, t in buffers.items()}}
@@ -140,6 +135,39 @@ def materialise_meta(root: nn.Module, replayer: Replayer | None, device: torch.d
                 if replayer is not None and replayer.knows(buf):
                     replayer.fill(buf, mod._buffers[name])
     return replaced
+
+
+def replace_parameter(root: nn.Module, old: Tensor, data: Tensor) -> nn.Parameter:
+    """A parameter on ``data`` in place of ``old`` (a meta one) wherever ``root``'s modules hold it (tied ones
+    too)."""
+    new = nn.Parameter(data, requires_grad=old.requires_grad)
+    for owner in root.modules():
+        for key, value in owner._parameters.items():
+            if value is old:
+                owner._parameters[key] = new
+    return new
+
+
+class WholeValue:
+    """A meta tensor of ``root``'s one-process value, whole, in host memory (float32 for floating ones, as a rank
+    keeps them): read from the root's ``tensor_source``, else replayed from the log; None where neither has it
+    (``materialise_meta`` then falls back to its module's ``reset_parameters()``). For a strategy that keeps a
+    range of each tensor (ZeRO-3/FSDP): it holds one whole tensor at a time beside its pieces."""
+
+    def __init__(self, root: nn.Module, replayer: Replayer | None) -> None:
+        self.replayer = replayer
+        self.source: Source | None = getattr(root, "tensor_source", None)
+        self.names = {t: n for n, t in (*root.named_parameters(), *root.named_buffers())} if self.source else {}
+
+    def __call__(self, tensor: Tensor) -> Tensor | None:
+        dtype = torch.float32 if tensor.is_floating_point() else tensor.dtype
+        out = torch.empty(tensor.shape, dtype=dtype)
+        if _read(self.source, self.names, tensor, out, None):
+            return out
+        if self.replayer is not None and self.replayer.knows(tensor):
+            self.replayer.fill(tensor, out)
+            return out
+        return None
 
 
 def _read(source: Source | None, names: dict[Tensor, str], tensor: Tensor, out: Tensor, index: Any) -> bool:
