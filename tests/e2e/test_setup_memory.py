@@ -1,5 +1,5 @@
 """Each rank builds and loads only its part: the peak host bytes of setup, per rank, for a Llama-shaped
-``trainkit.hf.CausalLM`` of 202M parameters (float32, 808 MB), under ddp and fsdp on 2 ranks, built from a config
+``trainkit.hf.CausalLM`` of 202M parameters (float32, 808 MB), under ddp, zero2 and fsdp on 2 ranks, built from a config
 and loaded from a ``save_pretrained`` directory; and its parameters equal a one-process build bit for bit.
 
 The peak is the kernel's (VmHWM of /proc/self/status, reset by writing 5 to /proc/self/clear_refs after imports,
@@ -105,7 +105,7 @@ def reference(tmp_path_factory):
             "params": sum(sizes) - buffers, "buffers": buffers, "largest": max(sizes)}
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp"])
+@pytest.mark.parametrize("name", ["ddp", "zero2", "fsdp"])
 def test_each_rank_builds_and_loads_only_its_part(tmp_path, reference, name):
     from tests.parity.harness import free_port
 
@@ -119,7 +119,9 @@ def test_each_rank_builds_and_loads_only_its_part(tmp_path, reference, name):
     logs = [p.communicate(timeout=240)[0] for p in ranks]
     assert all(p.returncode == 0 for p in ranks), logs
     report = json.loads(out.read_text())
-    share = (reference["params"] / 2 if name == "fsdp" else reference["params"]) + reference["buffers"]
+    params = reference["params"]
+    # zero2 keeps whole parameters, and sets up its fp32 master pieces and gradient partition (half of each here)
+    share = {"ddp": params, "zero2": 2 * params, "fsdp": params / 2}[name] + reference["buffers"]
     bound = (share + reference["largest"]) * 1.1
     for source in ("config", "pretrained"):
         got = report[source]

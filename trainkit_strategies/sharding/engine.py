@@ -40,15 +40,13 @@ from trainkit_strategies.base import Strategy
 from trainkit_strategies.capabilities import ShardedInit
 from trainkit_strategies.communication.comm import Comm
 from trainkit_strategies.communication.environment import Environment
-from trainkit_strategies.init.materialise import RecordsInit, WholeValue, materialise_meta, replace_parameter
+from trainkit_strategies.init.materialise import RecordsInit
 from trainkit_strategies.planning.memory import MemoryReport, resize_storage
 from trainkit_strategies.precision import Precision
 from trainkit_strategies.sharding.units import ShardedBucket, Unit, UnitOrder, assign_units, on_first_grad, weakly
 from trainkit_strategies.state import pieces as st
 from trainkit_strategies.state.flat import BucketReducer, FlatBucket, OrderedLauncher
 from trainkit_strategies.state.master import DeferredGradScale, FixedGroups, MasterShards
-
-_BROADCAST_ELEMENTS = 2**22  # 16 MiB of fp32 a broadcast at setup
 
 
 def _in_backward() -> bool:
@@ -91,7 +89,6 @@ class ShardedStrategy(RecordsInit, DeferredGradScale, FixedGroups, Strategy, Sha
         self._first_micro_step = True
         self._end_queued = False
         self._order = UnitOrder()
-        self._replaced: dict[Tensor, Tensor] = {}  # meta parameter -> the parameter that replaced it
         self._apart: list[set[int]] = []  # ids of parameters whose gradients keep_apart gave buckets of their own
         self.replicate: Comm | None = None  # HSDP (setup_environment's replicas)
         self._finished: Unit | None = None  # the last unit whose training forward ended, still gathered
@@ -167,40 +164,22 @@ class ShardedStrategy(RecordsInit, DeferredGradScale, FixedGroups, Strategy, Sha
         self.record_plan()
 
     def _materialise(self, unit: Unit, layouts: list[FlatBucket]) -> None:
-        """Give the unit's parameters their values one whole tensor at a time (a meta one rebuilt or read on the
-        host: ``WholeValue``), keep this rank's range of each in its piece, and turn the parameters into views of
-        the (freed) gather buffer: a rank holds its pieces plus one tensor, whatever the unit's size (a 70B
-        decoder layer is 3.4 GB; the whole unit at once made fsdp's setup peak on 64 ranks 17 GB)."""
-        assert self.module is not None
-        whole = WholeValue(self.module, self._replayer)
+        """Give the unit's parameters their values one whole tensor at a time (``RecordsInit._chunks``), keep this
+        rank's range of each in its piece, and turn the parameters into views of the (freed) gather buffer: a rank
+        holds its pieces plus one tensor, whatever the unit's size (a 70B decoder layer is 3.4 GB; the whole unit at
+        once made fsdp's setup peak on 64 ranks 17 GB)."""
         for layout in layouts:
             lo, hi = layout.piece_range(self.rank)
             master = self._master[layout].zero_()  # the padding stays zero
-            for index, offset in enumerate(layout.offsets):
-                p = layout.params[index] = self._replaced.get(layout.params[index], layout.params[index])
-                value = whole(p) if p.is_meta and self.device.type != "meta" else p.detach()
-                if value is None:  # its module cannot be replayed: its reset_parameters(), the module whole
-                    self._replaced |= materialise_meta(self.module, self._replayer, self.device,
-                                                       {p: torch.empty(p.shape, device=self.device)})
-                    p = layout.params[index] = self._replaced[p]
-                    value = p.detach()
-                flat = value.reshape(-1)
-                for start in range(0, flat.numel(), _BROADCAST_ELEMENTS):  # every rank starts from rank 0's
-                    chunk = flat[start : start + _BROADCAST_ELEMENTS].to(self.device, torch.float32)  # values
-                    self.comm.broadcast(chunk, src=0)
-                    a, b = max(lo, offset + start), min(hi, offset + start + chunk.numel())
-                    if a < b:
-                        master[a - lo : b - lo].copy_(chunk[a - offset - start : b - offset - start])
-                del value, flat
+            for start, chunk in self._chunks(layout.params, layout.offsets):
+                a, b = max(lo, start), min(hi, start + chunk.numel())
+                if a < b:
+                    master[a - lo : b - lo].copy_(chunk[a - start : b - start])
             same = master.dtype == self.precision.working_dtype and master.device == self.device
             shard = master if same else torch.empty(layout.piece, dtype=self.precision.working_dtype,
                                                     device=self.device).copy_(master)
             gathered = torch.empty(layout.padded, dtype=self.precision.working_dtype, device=self.device)
-            for index, view in enumerate(layout.param_views(gathered)):
-                p = layout.params[index]
-                if p.is_meta and self.device.type != "meta":  # its own version counter, not the gather buffer's
-                    p = layout.params[index] = self._replaced[p] = replace_parameter(self.module, p, view.new_empty(0))
-                p.data, p.grad = view, None
+            self._point(layout.params, layout.param_views(gathered))
             resize_storage(gathered, 0)
             unit.buckets.append(ShardedBucket(layout, unit, gathered, shard))
 
