@@ -64,11 +64,15 @@ def test_the_setup_host_peak_is_the_largest_whole_tensor_rebuilt(plans, row):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.xfail(strict=True, reason="today the engines set up whole units (fsdp) and tensor parallelism cuts every "
-                                       "layer before the pipeline takes its stage: issue 44's materialisation steps")
-@pytest.mark.parametrize("row", ["pp4 tp8", "fsdp"])
+@pytest.mark.parametrize("row", [
+    pytest.param("pp4 tp8", marks=pytest.mark.xfail(
+        strict=True, reason="today tensor parallelism cuts every layer before the pipeline takes its stage: issue "
+                            "44's materialisation step for the tensor and pipeline axes")),
+    "fsdp"])
 def test_the_setup_device_peak_is_the_ranks_share(plans, row):
     """On the device a rank holds its share and what its engine adds at setup (within 10%): fsdp's 1/64 of every
-    parameter (padding is a few elements a unit), the first stage's slices."""
-    want = {"fsdp": TOTAL * FP32 / 64, "pp4 tp8": _stage0()}[row]
-    assert want <= _bytes(plans[row], SETUP_DEV) <= 1.1 * want, (plans[row], want)
+    parameter (padding is a few elements a unit) plus one gather buffer, allocated and freed bucket by bucket as
+    FSDP's flat parameters are (the largest, the embedding's: the issue's "largest single tensor"); the first
+    stage's slices."""
+    want = {"fsdp": TOTAL * FP32 / 64 + EMBEDDING, "pp4 tp8": _stage0()}[row]
+    assert 0.995 * want <= _bytes(plans[row], SETUP_DEV) <= 1.1 * want, (plans[row], want)  # printed to 3 digits

@@ -113,14 +113,15 @@ class ZeroStrategy(RecordsInit, DeferredGradScale, FixedGroups, Strategy):
 
     # -- setup ---------------------------------------------------------------------------------------
     def setup(self, module: nn.Module, optimizer: Optimizer | None, precision: Precision) -> None:
-        """Build the buckets bucket by bucket from wherever the parameters are (host memory, typically): the device
-        never holds more than the compute-dtype working parameters and one fp32 bucket, so a model whose fp32
-        weights do not fit on the device (what ZeRO-Offload is for) can start."""
+        """Build the buckets tensor by tensor from wherever the parameters are (host memory, typically, or the meta
+        device: each rebuilt or read whole on the host, ``RecordsInit._chunks``), straight into the group's working
+        buffer and the rank's master pieces: the device never holds more than those and 16 MiB, so a model whose
+        fp32 weights do not fit on the device (what ZeRO-Offload is for) can start, and one built on meta is
+        never whole on the device twice."""
         if optimizer is None:
             super().setup(module, optimizer, precision)
             return
         self._bind(module, optimizer, precision)
-        self._materialise_rest(module)  # built on meta: each parameter straight on the device, then into its bucket
         for handle in self._hooks:
             handle.remove()
         names = st.param_names(module)
@@ -138,7 +139,7 @@ class ZeroStrategy(RecordsInit, DeferredGradScale, FixedGroups, Strategy):
                                     host_grads=not self._grads_on_device(), threads=self._host_threads())
         self.groups = [self._build_group([b for b in self.buckets if b.group == g])
                         for g in range(len(optimizer.param_groups))]
-        bucketed = set(group_of)
+        bucketed = {p for b in self.buckets for p in b.params}  # those that replaced meta ones included
         self._place(module)  # frozen parameters, buffers, metric states
         self.comm.broadcast_coalesced([p for p in module.parameters() if p not in bucketed] + list(module.buffers()))
         self._bucket_of = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
@@ -169,15 +170,15 @@ class ZeroStrategy(RecordsInit, DeferredGradScale, FixedGroups, Strategy):
         start = 0
         for b in buckets:
             b.start = start
-            full = b.flat_values(self.device)  # the master starts from the fp32 original, not its rounding
-            self.comm.broadcast(full, src=0)  # every rank starts from rank 0's values
             lo, hi = b.piece_range(self.rank)
-            self._master[b].copy_(full[lo:hi])
-            working = group.working[start : start + b.padded]
-            working.copy_(full)
+            working, master = group.working[start : start + b.padded], self._master[b].zero_()
+            for offset, chunk in self._chunks(b.params, b.offsets):  # fp32, rank 0's, a tensor at a time: the
+                working[offset : offset + chunk.numel()].copy_(chunk)  # master starts from the fp32 original
+                first, end = max(lo, offset), min(hi, offset + chunk.numel())
+                if first < end:
+                    master[first - lo : end - lo].copy_(chunk[first - offset : end - offset])
             group.views[b.index] = (working, working[lo:hi])
-            for p, view in zip(b.params, b.param_views(working), strict=True):
-                p.data, p.grad = view, None
+            self._point(b.params, b.param_views(working))
             start += b.padded
         self.grads.attach(group)
         return group

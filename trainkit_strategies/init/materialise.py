@@ -31,6 +31,7 @@ from trainkit_strategies.capabilities import BuildsOnMeta
 from trainkit_strategies.init.recorder import InitRecorder, Replayer
 
 Source = Callable[[str, Tensor, Any], bool]
+CHUNK = 2**22  # elements (16 MiB of fp32) broadcast at a time while materialising
 
 
 class RecordsInit(BuildsOnMeta):
@@ -40,6 +41,12 @@ class RecordsInit(BuildsOnMeta):
     _replayer: Replayer | None = None  # what configure_model computed on the meta device
     device: torch.device
     optimizer: Optimizer | None
+    module: nn.Module | None
+    comm: Any
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._replaced: dict[Tensor, nn.Parameter] = {}  # meta parameter -> the parameter that replaced it
 
     def init_context(self) -> contextlib.AbstractContextManager:
         return self._recording()
@@ -64,6 +71,38 @@ class RecordsInit(BuildsOnMeta):
     def _place(self, module: nn.Module) -> None:
         self._materialise_rest(module)
         super()._place(module)  # type: ignore[misc]
+
+    def _chunks(self, params: list[Tensor], offsets: list[int]) -> Iterator[tuple[int, Tensor]]:
+        """Rank 0's value of each of ``params`` (laid out at ``offsets`` of a flat buffer) in chunks of 16 MiB,
+        float32 on the device: (offset in the buffer, chunk). A meta parameter is rebuilt or read whole on the host
+        first (``WholeValue``), so a caller that copies what it keeps of each chunk holds one whole tensor beside
+        it, however large the buffer. One a fallback materialised (its module's ``reset_parameters()``, the module
+        whole) takes its meta parameter's place in ``params``."""
+        assert self.module is not None
+        whole = WholeValue(self.module, self._replayer)
+        for index, offset in enumerate(offsets):
+            p = params[index] = self._replaced.get(params[index], params[index])
+            value = whole(p) if p.is_meta and self.device.type != "meta" else p.detach()
+            if value is None:
+                home = torch.empty(p.shape, device=self.device)
+                self._replaced |= materialise_meta(self.module, self._replayer, self.device, {p: home})
+                p = params[index] = self._replaced[p]
+                value = p.detach()
+            flat = value.reshape(-1)
+            for start in range(0, flat.numel(), CHUNK):
+                chunk = flat[start : start + CHUNK].to(self.device, torch.float32)
+                self.comm.broadcast(chunk, src=0)  # every rank starts from rank 0's values
+                yield offset + start, chunk
+
+    def _point(self, params: list[Tensor], views: list[Tensor]) -> None:
+        """Make ``params`` the ``views`` (their places in a flat buffer); a meta one is first replaced by a
+        parameter of its own, which keeps its own version counter, not the buffer's."""
+        for index, view in enumerate(views):
+            p = params[index]
+            if p.is_meta and self.device.type != "meta":
+                assert self.module is not None
+                p = params[index] = self._replaced[p] = replace_parameter(self.module, p, view.new_empty(0))
+            p.data, p.grad = view, None
 
 
 def retarget(optimizer: Optimizer, replaced: dict[Tensor, nn.Parameter]) -> None:
@@ -109,12 +148,7 @@ def materialise_meta(root: nn.Module, replayer: Replayer | None, device: torch.d
             home = homes.get(old)
             shape = old[parts[old]] if old in parts else old
             data = home if home is not None else torch.empty_like(shape, device=device, dtype=torch.float32)
-            new = nn.Parameter(data, requires_grad=old.requires_grad)
-            for owner in root.modules():
-                for key, value in owner._parameters.items():
-                    if value is old:
-                        owner._parameters[key] = new
-            replaced[old] = new
+            replaced[old] = replace_parameter(root, old, data)
         for name, buf in buffers.items():
             mod._buffers[name] = torch.empty_like(buf, device=device)
         olds = {**{(n, "p"): t for n, t in metas.items()}, **{(n, "b"): t for n, t in buffers.items()}}
@@ -140,6 +174,39 @@ def materialise_meta(root: nn.Module, replayer: Replayer | None, device: torch.d
                 if replayer is not None and replayer.knows(buf):
                     replayer.fill(buf, mod._buffers[name])
     return replaced
+
+
+def replace_parameter(root: nn.Module, old: Tensor, data: Tensor) -> nn.Parameter:
+    """A parameter on ``data`` in place of ``old`` (a meta one) wherever ``root``'s modules hold it (tied ones
+    too)."""
+    new = nn.Parameter(data, requires_grad=old.requires_grad)
+    for owner in root.modules():
+        for key, value in owner._parameters.items():
+            if value is old:
+                owner._parameters[key] = new
+    return new
+
+
+class WholeValue:
+    """A meta tensor of ``root``'s one-process value, whole, in host memory (float32 for floating ones, as a rank
+    keeps them): read from the root's ``tensor_source``, else replayed from the log; None where neither has it
+    (``materialise_meta`` then falls back to its module's ``reset_parameters()``). For a strategy that keeps a
+    range of each tensor (ZeRO-3/FSDP): it holds one whole tensor at a time beside its pieces."""
+
+    def __init__(self, root: nn.Module, replayer: Replayer | None) -> None:
+        self.replayer = replayer
+        self.source: Source | None = getattr(root, "tensor_source", None)
+        self.names = {t: n for n, t in (*root.named_parameters(), *root.named_buffers())} if self.source else {}
+
+    def __call__(self, tensor: Tensor) -> Tensor | None:
+        dtype = torch.float32 if tensor.is_floating_point() else tensor.dtype
+        out = torch.empty(tensor.shape, dtype=dtype)
+        if _read(self.source, self.names, tensor, out, None):
+            return out
+        if self.replayer is not None and self.replayer.knows(tensor):
+            self.replayer.fill(tensor, out)
+            return out
+        return None
 
 
 def _read(source: Source | None, names: dict[Tensor, str], tensor: Tensor, out: Tensor, index: Any) -> bool:

@@ -21,7 +21,7 @@ the end of its backward. Communication per step: Ψ gathered twice (the last uni
 (§7: 3Ψ). Mixed precision follows FSDP's policy: fp32 sharded master, gathers in the compute dtype, gradients
 reduced in the policy's ``reduce_dtype`` (default: the compute dtype). The optimizer steps the master pieces
 (``MasterShards``, shared with ZeRO-1/2, including offload). Models built in ``configure_model`` on the
-meta device are materialised one unit at a time (``trainkit_strategies/init``).
+meta device are materialised one tensor at a time, each rank keeping its range (``trainkit_strategies/init``).
 """
 
 from __future__ import annotations
@@ -40,15 +40,13 @@ from trainkit_strategies.base import Strategy
 from trainkit_strategies.capabilities import ShardedInit
 from trainkit_strategies.communication.comm import Comm
 from trainkit_strategies.communication.environment import Environment
-from trainkit_strategies.init.materialise import RecordsInit, materialise_meta
+from trainkit_strategies.init.materialise import RecordsInit
 from trainkit_strategies.planning.memory import MemoryReport, resize_storage
 from trainkit_strategies.precision import Precision
 from trainkit_strategies.sharding.units import ShardedBucket, Unit, UnitOrder, assign_units, on_first_grad, weakly
 from trainkit_strategies.state import pieces as st
 from trainkit_strategies.state.flat import BucketReducer, FlatBucket, OrderedLauncher
 from trainkit_strategies.state.master import DeferredGradScale, FixedGroups, MasterShards
-
-_BROADCAST_ELEMENTS = 2**22  # 16 MiB of fp32 a broadcast at setup
 
 
 def _in_backward() -> bool:
@@ -91,7 +89,6 @@ class ShardedStrategy(RecordsInit, DeferredGradScale, FixedGroups, Strategy, Sha
         self._first_micro_step = True
         self._end_queued = False
         self._order = UnitOrder()
-        self._replaced: dict[Tensor, Tensor] = {}  # meta parameter -> the parameter that replaced it
         self._apart: list[set[int]] = []  # ids of parameters whose gradients keep_apart gave buckets of their own
         self.replicate: Comm | None = None  # HSDP (setup_environment's replicas)
         self._finished: Unit | None = None  # the last unit whose training forward ended, still gathered
@@ -167,38 +164,24 @@ class ShardedStrategy(RecordsInit, DeferredGradScale, FixedGroups, Strategy, Sha
         self.record_plan()
 
     def _materialise(self, unit: Unit, layouts: list[FlatBucket]) -> None:
-        """Give the unit's parameters their values (initialising meta ones in place in the unit's fp32
-        buffer, so a unit exists once), keep this rank's pieces, and turn the parameters into views of the
-        (freed) gather buffer."""
-        if any(p.is_meta and self.device.type != "meta" for b in layouts for p in b.params):
-            fulls = [torch.zeros(b.padded, dtype=torch.float32, device=self.device) for b in layouts]
-            homes = {p: view for b, full in zip(layouts, fulls, strict=True)
-                     for p, view in zip(b.params, b.param_views(full), strict=True)}
-            assert self.module is not None
-            self._replaced |= materialise_meta(self.module, self._replayer, self.device, homes)
-            for layout, full in zip(layouts, fulls, strict=True):
-                layout.params = [self._replaced.get(p, p) for p in layout.params]
-                for p, view in zip(layout.params, layout.param_views(full), strict=True):
-                    if p.data_ptr() != view.data_ptr():
-                        view.copy_(p.detach())
-        else:  # built already (in host memory, typically): one copy per bucket to the device
-            fulls = [b.flat_values(self.device) for b in layouts]
-        for layout, full in zip(layouts, fulls, strict=True):
-            for chunk in full.split(_BROADCAST_ELEMENTS):  # every rank starts from rank 0's values; in chunks,
-                self.comm.broadcast(chunk, src=0)  # as gloo copies what it sends: a whole unit would cost one more
+        """Give the unit's parameters their values one whole tensor at a time (``RecordsInit._chunks``), keep this
+        rank's range of each in its piece, and turn the parameters into views of the (freed) gather buffer: a rank
+        holds its pieces plus one tensor, whatever the unit's size (a 70B decoder layer is 3.4 GB; the whole unit at
+        once made fsdp's setup peak on 64 ranks 17 GB)."""
+        for layout in layouts:
             lo, hi = layout.piece_range(self.rank)
-            master = self._master[layout]
-            master.copy_(full[lo:hi])
+            master = self._master[layout].zero_()  # the padding stays zero
+            for start, chunk in self._chunks(layout.params, layout.offsets):
+                a, b = max(lo, start), min(hi, start + chunk.numel())
+                if a < b:
+                    master[a - lo : b - lo].copy_(chunk[a - start : b - start])
             same = master.dtype == self.precision.working_dtype and master.device == self.device
-            # a copy of its own: a view (what .to() returns when nothing changes) would keep the whole unit alive
             shard = master if same else torch.empty(layout.piece, dtype=self.precision.working_dtype,
-                                                    device=self.device).copy_(full[lo:hi])
+                                                    device=self.device).copy_(master)
             gathered = torch.empty(layout.padded, dtype=self.precision.working_dtype, device=self.device)
-            for p, view in zip(layout.params, layout.param_views(gathered), strict=True):
-                p.data, p.grad = view, None
+            self._point(layout.params, layout.param_views(gathered))
             resize_storage(gathered, 0)
             unit.buckets.append(ShardedBucket(layout, unit, gathered, shard))
-        fulls.clear()
 
     def _install_hooks(self) -> None:
         hooks = []

@@ -52,17 +52,6 @@ class FlatBucket:
         """Each parameter's slice of ``flat`` (this bucket's buffer), shaped like the parameter."""
         return [flat[off : off + p.numel()].view(p.shape) for p, off in zip(self.params, self.offsets, strict=True)]
 
-    def flat_values(self, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
-        """The parameters' current values laid end to end (``padded`` elements, zero padding) in ``dtype`` on
-        ``device``: put together where the parameters live (host memory, say) and moved in one copy, so setting up
-        from host parameters costs one transfer per bucket and never a whole model on the device."""
-        places = {p.device for p in self.params}
-        source = places.pop() if len(places) == 1 else device
-        full = torch.zeros(self.padded, dtype=dtype, device=source)
-        for p, view in zip(self.params, self.param_views(full), strict=True):
-            view.copy_(p.detach())
-        return full if source == device else full.to(device)
-
     @property
     def piece(self) -> int:
         return self.padded // self.world_size
