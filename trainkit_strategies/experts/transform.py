@@ -17,6 +17,7 @@ other tokens of a sequence.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from torch import nn
@@ -26,6 +27,7 @@ from trainkit_strategies.communication.comm import Comm
 from trainkit_strategies.errors import ConfigurationError
 from trainkit_strategies.experts.context import ExpertContext
 from trainkit_strategies.experts.layer import MoE
+from trainkit_strategies.init.materialise import keep_part
 from trainkit_strategies.tensor.layers import Split
 from trainkit_strategies.tensor.planned import same_start
 
@@ -75,7 +77,7 @@ class ExpertParallel(Dividing):
             for name in ("w1", "w3", "w2"):
                 param = getattr(layer, name)
                 split = Split(0, size)
-                param.data = split.local(param.data, self.rank)
+                keep_part(param, partial(split.local, rank=self.rank))
                 self.splits[param] = split
                 self._bytes += param.numel() * param.element_size()
             layer.expert_parallel = size

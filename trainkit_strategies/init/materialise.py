@@ -127,12 +127,14 @@ def materialise_meta(root: nn.Module, replayer: Replayer | None, device: torch.d
     source: Source | None = getattr(root, "tensor_source", None)
     names = {t: n for n, t in (*root.named_parameters(), *root.named_buffers())} if source is not None else {}
     replaced: dict[Tensor, nn.Parameter] = {}
+    whole: WholeValue | None = None  # made at the first part of a whole met
     for mod in root.modules():
         metas = {n: p for n, p in mod._parameters.items() if p is not None and p.is_meta}
         if not metas or (homes and not any(p in homes for p in metas.values())):
             continue
         buffers = {n: b for n, b in mod._buffers.items() if b is not None and b.is_meta}
-        replay = replayer is not None and all(replayer.knows(t) for t in [*metas.values(), *buffers.values()])
+        replay = replayer is not None and all(replayer.knows(_stand_in(t))
+                                              for t in [*metas.values(), *buffers.values()])
         reset = getattr(mod, "reset_parameters", None) or getattr(mod, "_reset_parameters", None)
         if not replay and reset is None:
             raise TypeError(
@@ -160,11 +162,18 @@ def materialise_meta(root: nn.Module, replayer: Replayer | None, device: torch.d
                     custom(mod)
             for (name, kind), old in olds.items():  # one tensor read or rebuilt at a time
                 out = mod._parameters[name].data if kind == "p" else mod._buffers[name]
-                if _read(source, names, old, out, parts.get(old)):
+                meta = getattr(old, "_trainkit_meta", old)
+                if hasattr(meta, "_trainkit_part"):
+                    whole = whole or WholeValue(root, replayer)
+                    value = whole(meta)
+                    if value is not None:
+                        out.copy_(value)
+                    continue
+                if _read(source, names, old, out, parts.get(old), meta):
                     continue
                 if replay:
                     assert replayer is not None
-                    replayer.fill(old, out, parts.get(old))
+                    replayer.fill(meta, out, parts.get(old))
     for mod in root.modules():  # buffers of modules without meta parameters
         for name, buf in mod._buffers.items():
             if buf is not None and buf.is_meta:
@@ -177,14 +186,49 @@ def materialise_meta(root: nn.Module, replayer: Replayer | None, device: torch.d
 
 
 def replace_parameter(root: nn.Module, old: Tensor, data: Tensor) -> nn.Parameter:
-    """A parameter on ``data`` in place of ``old`` (a meta one) wherever ``root``'s modules hold it (tied ones
-    too)."""
-    new = nn.Parameter(data, requires_grad=old.requires_grad)
-    for owner in root.modules():
-        for key, value in owner._parameters.items():
-            if value is old:
-                owner._parameters[key] = new
-    return new
+    """``old`` (a meta parameter) made a parameter on ``data`` in place: the same object, so whatever holds it (its
+    modules, tied ones too, an optimizer's groups, an axis's or an engine's bookkeeping made before setup) holds the
+    real one. Its former self, the meta tensor the recorder knows, is kept as ``old._trainkit_meta``."""
+    meta = nn.Parameter(data, requires_grad=old.requires_grad)
+    torch.utils.swap_tensors(old, meta)  # ``meta`` now holds old's meta contents and attributes
+    old._trainkit_meta = meta
+    return old  # type: ignore[return-value]
+
+
+def keep_part(param: Tensor, part: Callable[[Tensor], Tensor]) -> None:
+    """Cut ``param`` to ``part(param)`` in place (an axis's share of it: tensor parallelism's slice, expert
+    parallelism's experts). On the meta device it remembers the whole it is a part of, so materialising gives it its
+    part of the one-process value (or of the pretrained file's tensor): one whole tensor rebuilt or read at a time."""
+    whole = param.data
+    param.data = part(whole)
+    if whole.is_meta:
+        origin, before = getattr(param, "_trainkit_part", (whole, None))
+        if before is None:
+            origin._trainkit_name = getattr(param, "_trainkit_name", None)
+            origin._trainkit_source = getattr(param, "_trainkit_source", None)
+        param._trainkit_part = (origin, part if before is None else _composed(before, part))
+
+
+def _composed(first: Callable[[Tensor], Tensor], then: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    return lambda t: then(first(t))
+
+
+def name_meta_tensors(module: nn.Module) -> None:
+    """Give every meta parameter and buffer of ``module`` its name there and the module's ``tensor_source``, before
+    transforms move it (a pipeline's stage names its layers anew, and holds no source): a tensor read from a file is
+    found by the name it has in the whole model."""
+    source = getattr(module, "tensor_source", None)
+    for name, t in (*module.named_parameters(), *module.named_buffers()):
+        if t.is_meta and not hasattr(t, "_trainkit_name"):
+            t._trainkit_name, t._trainkit_source = name, source
+
+
+def _stand_in(t: Tensor) -> Tensor:
+    """The meta tensor the recorder knows ``t`` by: itself, its former self once replaced, or the whole it is a
+    part of."""
+    t = getattr(t, "_trainkit_meta", t)
+    part = getattr(t, "_trainkit_part", None)
+    return part[0] if part is not None else t
 
 
 class WholeValue:
@@ -199,6 +243,10 @@ class WholeValue:
         self.names = {t: n for n, t in (*root.named_parameters(), *root.named_buffers())} if self.source else {}
 
     def __call__(self, tensor: Tensor) -> Tensor | None:
+        part = getattr(tensor, "_trainkit_part", None)
+        if part is not None:  # an axis's part of a whole: the whole's value, cut as the axis cut it
+            whole = self(part[0])
+            return None if whole is None else part[1](whole).contiguous()
         dtype = torch.float32 if tensor.is_floating_point() else tensor.dtype
         out = torch.empty(tensor.shape, dtype=dtype)
         if _read(self.source, self.names, tensor, out, None):
@@ -209,7 +257,12 @@ class WholeValue:
         return None
 
 
-def _read(source: Source | None, names: dict[Tensor, str], tensor: Tensor, out: Tensor, index: Any) -> bool:
-    """Fill ``out`` with ``tensor``'s value (its part ``index``) from the module's ``tensor_source``; False where it
-    has none."""
-    return source is not None and tensor in names and source(names[tensor], out, index)
+def _read(source: Source | None, names: dict[Tensor, str], tensor: Tensor, out: Tensor, index: Any,
+          meta: Tensor | None = None) -> bool:
+    """Fill ``out`` with ``tensor``'s value (its part ``index``) from the module's ``tensor_source``, found by the
+    name it had in the whole model (``name_meta_tensors``; ``meta``: its former self, which carries that name once
+    replaced), else by its name in the root; False where the source has none."""
+    tagged = meta if meta is not None else tensor
+    name = getattr(tagged, "_trainkit_name", None) or names.get(tensor)
+    source = getattr(tagged, "_trainkit_source", None) or source
+    return source is not None and name is not None and source(name, out, index)

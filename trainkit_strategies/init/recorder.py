@@ -138,7 +138,7 @@ class InitRecorder(TorchFunctionMode):
         for t in outs:
             if _key(t) not in before and _key(t) not in self.created:
                 self.created[_key(t)] = index
-        self.calls.append(_Call(index, func, args, kwargs, out, writes, rng))
+        self.calls.append(_Call(index, func, *_pinned((args, kwargs, out)), writes, rng))
         return out
 
     @staticmethod
@@ -146,6 +146,13 @@ class InitRecorder(TorchFunctionMode):
         scratch = partial(_on_cpu, lambda t: torch.zeros(t.shape, dtype=t.dtype, device="cpu"))
         with torch.device("cpu"):
             func(*tree_map(scratch, args), **tree_map(scratch, kwargs))
+
+
+def _pinned(tree: Any) -> Any:
+    """``tree`` with its meta tensors as new tensor objects on the same storages: an axis that later cuts a
+    parameter (``param.data = part``) changes that parameter's storage, not the one the log recorded."""
+    with torch._C.DisableTorchFunction():
+        return tree_map(lambda t: t.detach() if isinstance(t, Tensor) and t.is_meta else t, tree)
 
 
 class Replayer:

@@ -36,13 +36,14 @@ from torch.optim import Optimizer
 
 from trainkit_strategies.axis import Axis
 from trainkit_strategies.base import Strategy
-from trainkit_strategies.capabilities import Parallelizes, RunsSchedule, StepsInBackward
+from trainkit_strategies.capabilities import BuildsOnMeta, Parallelizes, RunsSchedule, StepsInBackward
 from trainkit_strategies.communication.comm import Comm
 from trainkit_strategies.communication.environment import Environment
 from trainkit_strategies.communication.layout import Layout, Mesh, check_degrees, resolve_layout
 from trainkit_strategies.context.ring import METHODS
 from trainkit_strategies.context.transform import ContextAxis
 from trainkit_strategies.experts.transform import ExpertParallel
+from trainkit_strategies.init.materialise import name_meta_tensors
 from trainkit_strategies.pipeline.executor import STAGE_AXES, Pipeline, check_schedule
 from trainkit_strategies.pipeline.microbatches import missing_hooks
 from trainkit_strategies.pipeline.transform import PipelineAxis
@@ -244,6 +245,8 @@ class ParallelStrategy(Wrapper, Parallelizes):
         reduction (no tensor- or expert-parallel sum, no tied stages)."""
         if kind is RunsSchedule:
             return self.pipeline
+        if kind is BuildsOnMeta:  # built on meta under the engine's recording, cut there by the axes, then the
+            return self.inner.ability(kind)  # engine materialises what this rank keeps (``init/materialise.py``)
         if kind is StepsInBackward and not any(axis.acts_on_gradients and axis.comm.active for axis in self.axes):
             return self.inner.ability(kind)
         return super().ability(kind)
@@ -254,6 +257,7 @@ class ParallelStrategy(Wrapper, Parallelizes):
         parallelism cuts its planned layers, expert parallelism its experts, context parallelism installs its group;
         a pipeline cuts the stages in ``setup``, and the engine shards what they leave)."""
         self._whole_shape = {p: tuple(p.shape) for p in module.parameters()}
+        name_meta_tensors(module)  # read from files by these names once stages have renamed them
         for axis in self.axes:
             axis.transform(module, self.device)
         self._sync_metrics_over_data(module)

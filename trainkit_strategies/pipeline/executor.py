@@ -43,6 +43,7 @@ from trainkit_strategies.communication.comm import Comm, Handle
 from trainkit_strategies.communication.layout import AXES, Mesh
 from trainkit_strategies.errors import ConfigurationError
 from trainkit_strategies.experts.auxiliary import attached, collecting, with_auxiliary
+from trainkit_strategies.init.materialise import replace_parameter
 from trainkit_strategies.pipeline.channels import Channel, links
 from trainkit_strategies.pipeline.microbatches import (
     first_tensor,
@@ -169,10 +170,13 @@ class Pipeline(RunsSchedule):
                 self._tied.append((q, groups[self._line], self.stage == holders[0]))
         with torch.no_grad():
             for q in names:
-                if q not in rank_of or self.stage not in rank_of[q]:
-                    q.data = torch.empty(0, dtype=q.dtype, device=q.device)  # another stage's: never run here
+                if q not in rank_of or self.stage not in rank_of[q]:  # another stage's: never run here
+                    if q.is_meta:  # built on meta: never materialised whole here
+                        replace_parameter(module, q, torch.empty(0, dtype=q.dtype, device=self.device))
+                    else:
+                        q.data = torch.empty(0, dtype=q.dtype, device=q.device)
             for q, group, _ in self._tied:  # start equal: the first stage holding it decides (through the device)
-                if group.active:
+                if group.active and not q.is_meta:  # on meta, every stage will get the one-process value
                     on_device = q.data.to(self.device)
                     group.broadcast(on_device, src=0)
                     q.data.copy_(on_device)

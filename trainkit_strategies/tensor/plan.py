@@ -36,11 +36,13 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
 from torch import Tensor, nn
 
 from trainkit_strategies.communication.comm import Comm
 from trainkit_strategies.errors import ConfigurationError
+from trainkit_strategies.init.materialise import keep_part
 from trainkit_strategies.tensor.layers import ColumnParallelLinear, RowParallelLinear, Split, VocabParallelEmbedding
 from trainkit_strategies.tensor.regions import gather_seq, gather_whole, split_seq
 
@@ -95,7 +97,7 @@ def _split(name: str, param: Tensor | None, split: Split, comm: Comm, done: Appl
                                      f"({done.splits[param]} against {split}); give both layers the same style.")
         return
     split.check(name, tuple(param.shape))
-    param.data = split.local(param.data, comm.rank)
+    keep_part(param, partial(split.local, rank=comm.rank))
     done.splits[param] = split
 
 
