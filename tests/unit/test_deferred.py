@@ -35,3 +35,22 @@ def test_replay_gives_one_process_values_and_generator_state():
         replayer.fill(tensor, out)
         assert torch.equal(out, want[name].detach()), name
     assert torch.equal(torch.get_rng_state(), after_real)  # replaying leaves the generator where it was
+
+
+def test_an_init_function_kept_past_its_recording_records_into_the_next():
+    """A library that keeps torch's init functions at its import (transformers 5 does) may import inside a first
+    recording and keep that recording's wrapper: later recordings still log its calls, so a second model built in
+    the same process gets its one-process values too (it used to replay without its initialisation)."""
+    kept = {}
+    for build in range(2):
+        recorder = InitRecorder()
+        torch.manual_seed(build)
+        with torch.device("meta"), recorder:
+            weight = torch.empty(4, 3)
+            kept.setdefault("normal_", torch.nn.init.normal_)  # the first recording's, kept
+            kept["normal_"](weight, std=0.5)
+        torch.manual_seed(build)
+        expected = torch.empty(4, 3).normal_(std=0.5)
+        out = torch.empty(4, 3)
+        Replayer(recorder).fill(weight, out)
+        assert torch.equal(out, expected), build

@@ -93,9 +93,10 @@ class InitRecorder(TorchFunctionMode):
         def init_function(*args: Any, **kwargs: Any) -> Any:
             leaves = tree_flatten((args, kwargs))[0]
             target = next((t for t in leaves if isinstance(t, Tensor)), None)
-            if target is None or not target.is_meta:
+            recorder = _recording()  # this thread's: a library may have kept this function past its recorder
+            if target is None or not target.is_meta or recorder is None:  # (transformers copies torch's at import)
                 return func(*args, **kwargs)
-            self._log(func, args, kwargs, leaves, target, random=func.__name__ not in _DETERMINISTIC_INIT)
+            recorder._log(func, args, kwargs, leaves, target, random=func.__name__ not in _DETERMINISTIC_INIT)
             return target
 
         init_function.__name__ = func.__name__
@@ -146,6 +147,13 @@ class InitRecorder(TorchFunctionMode):
         scratch = partial(_on_cpu, lambda t: torch.zeros(t.shape, dtype=t.dtype, device="cpu"))
         with torch.device("cpu"):
             func(*tree_map(scratch, args), **tree_map(scratch, kwargs))
+
+
+def _recording() -> InitRecorder | None:
+    """The innermost ``InitRecorder`` active on this thread, if any."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    return next((m for m in reversed(_get_current_function_mode_stack()) if isinstance(m, InitRecorder)), None)
 
 
 def _pinned(tree: Any) -> Any:
