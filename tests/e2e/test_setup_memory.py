@@ -1,6 +1,7 @@
 """Each rank builds and loads only its part: the peak host bytes of setup, per rank, for a Llama-shaped
-``trainkit.hf.CausalLM`` of 202M parameters (float32, 808 MB), under ddp, zero2 and fsdp on 2 ranks, built from a config
-and loaded from a ``save_pretrained`` directory; and its parameters equal a one-process build bit for bit.
+``trainkit.hf.CausalLM`` of 202M parameters (float32, 808 MB), under ddp, zero2, fsdp, tp2 and pp2 on 2 ranks and
+tp2 x dp_shard2 on 4, built from a config and loaded from a ``save_pretrained`` directory; and its parameters equal a
+one-process build bit for bit. The layouts of one world run one after another in one process group.
 
 The peak is the kernel's (VmHWM of /proc/self/status, reset by writing 5 to /proc/self/clear_refs after imports,
 transformers' lazy ones included),
@@ -35,33 +36,33 @@ RANK = r'''
 import json, os, sys
 import torch
 torch.set_num_threads(1)
-from tests.e2e.test_setup_memory import digests, peak_above, reset_peak
+from tests.e2e.test_setup_memory import digests, held, peak_above, reset_peak
 from trainkit import transforms
 from trainkit.hf import CausalLM
 from trainkit_strategies import Environment, Precision, get_strategy
 
-name, config, pretrained, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
+layouts, config, pretrained, out = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
 warm = CausalLM(config={**config, "num_hidden_layers": 1, "vocab_size": 64})  # transformers' lazy imports: part of
 with torch.device("meta"):  # the empty process, not of the model
     warm.configure_model()
 report = {}
-for source in ("config", "pretrained"):
-    torch.manual_seed(0)
-    start = reset_peak()
-    strategy = get_strategy(name)
-    strategy.setup_environment(Environment.from_env("cpu"))
-    module = CausalLM(config=config) if source == "config" else CausalLM(pretrained=pretrained)
-    transforms.build(module, strategy)
-    strategy.setup(module, torch.optim.AdamW(module.parameters()), Precision.from_name("32"))
-    peak = peak_above(start)
-    whole = strategy.full_parameters()
-    report[source] = {"peak": peak, "rng": torch.get_rng_state().sum().item(),
-                      "digests": digests(whole) if strategy.rank == 0 else {}}
-    strategy.teardown()
-    del whole, module, strategy
-if int(os.environ["RANK"]) == 0:
-    with open(out, "w") as f:
-        json.dump(report, f)
+for label, (name, options) in layouts.items():
+    for source in ("config", "pretrained"):
+        torch.manual_seed(0)
+        start = reset_peak()
+        strategy = get_strategy(name, **options)
+        strategy.setup_environment(Environment.from_env("cpu"))
+        module = CausalLM(config=config) if source == "config" else CausalLM(pretrained=pretrained)
+        transforms.build(module, strategy)
+        strategy.setup(module, torch.optim.AdamW(module.parameters()), Precision.from_name("32"))
+        peak, kept = peak_above(start), held(module)
+        whole = strategy.full_parameters()
+        report[f"{label} {source}"] = {"peak": peak, "held": kept, "rng": torch.get_rng_state().sum().item(),
+                                       "digests": digests(whole) if strategy.rank == 0 else {}}
+        strategy.teardown()
+        del whole, module, strategy
+with open(out + os.environ["RANK"], "w") as f:
+    json.dump(report, f)
 '''
 
 
@@ -83,6 +84,13 @@ def _status(field: str) -> int:
     raise KeyError(field)
 
 
+def held(module: torch.nn.Module) -> int:
+    """Bytes of the parameters and buffers ``module`` holds after setup, each storage once (a rank's share)."""
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in (*module.parameters(),
+                *module.buffers()) if t.device.type != "meta"}
+    return sum(storages.values())
+
+
 def digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     return {n: hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy()).hexdigest()
             for n, t in tensors.items()}
@@ -102,31 +110,47 @@ def reference(tmp_path_factory):
     sizes = [t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())]
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     return {"digests": digests(tensors), "directory": str(directory), "rng": rng,
-            "params": sum(sizes) - buffers, "buffers": buffers, "largest": max(sizes)}
+            "params": sum(sizes) - buffers, "buffers": buffers, "largest": max(sizes),
+            "vectors": sum(q.numel() * q.element_size() for q in model.parameters() if q.dim() == 1)}
 
 
-@pytest.mark.parametrize("name", ["ddp", "zero2", "fsdp"])
-def test_each_rank_builds_and_loads_only_its_part(tmp_path, reference, name):
+WORLDS = {2: {"ddp": ("ddp", {}), "zero2": ("zero2", {}), "fsdp": ("fsdp", {}), "tp2": ("parallel", {"tp": 2}),
+             "pp2": ("parallel", {"pp": 2})},
+          4: {"tp2 x dp_shard2": ("parallel", {"tp": 2, "dp_shard": 2})}}
+
+
+@pytest.mark.parametrize("world", sorted(WORLDS))
+def test_each_rank_builds_and_loads_only_its_part(tmp_path, reference, world):
     from tests.parity.harness import free_port
 
     assert reference["params"] >= 200e6 * 4
-    out = tmp_path / "report.json"
+    out = tmp_path / "report"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": "2", "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
-    ranks = [subprocess.Popen([sys.executable, "-c", RANK, name, json.dumps(CONFIG), reference["directory"],
-                               str(out)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = [p.communicate(timeout=240)[0] for p in ranks]
+           "WORLD_SIZE": str(world), "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK, json.dumps(WORLDS[world]), json.dumps(CONFIG),
+                               reference["directory"], str(out)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    logs = [p.communicate(timeout=200 * len(WORLDS[world]))[0] for p in ranks]
     assert all(p.returncode == 0 for p in ranks), logs
-    report = json.loads(out.read_text())
-    params = reference["params"]
-    # zero2 keeps whole parameters, and sets up its fp32 master pieces and gradient partition (half of each here)
-    share = {"ddp": params, "zero2": 2 * params, "fsdp": params / 2}[name] + reference["buffers"]
-    bound = (share + reference["largest"]) * 1.1
-    for source in ("config", "pretrained"):
-        got = report[source]
-        print(f"{name} {source}: peak {got['peak'] / 2**20:.0f} MiB above the empty process, "
-              f"bound {bound / 2**20:.0f} MiB")
-        assert got["peak"] <= bound, (source, got["peak"] / 2**20, bound / 2**20)
-        assert got["digests"] == reference["digests"], source  # bit for bit, from the seed and from the files
-    assert report["config"]["rng"] == reference["rng"]  # later draws (dropout, shuffling) as in one process
+    reports = [json.loads(Path(f"{out}{r}").read_text()) for r in range(world)]
+    params, buffers = reference["params"], reference["buffers"]
+    # what each rank keeps, from the model's shapes: ddp whole; zero2 whole plus its fp32 master pieces and gradient
+    # partition (half of each); fsdp half; tp2 the matrices halved (every one is split), vectors whole; a pipeline
+    # stage what it holds (its layers, the tied embedding on both stages)
+    split = {"ddp": params, "zero2": 2 * params, "fsdp": params / 2, "tp2": (params + reference["vectors"]) / 2,
+             "tp2 x dp_shard2": (params + reference["vectors"]) / 4}
+    for label in WORLDS[world]:
+        for source in ("config", "pretrained"):
+            for rank, report in enumerate(reports):
+                got = report[f"{label} {source}"]
+                share = split.get(label, got["held"] - buffers) + buffers
+                bound = (share + reference["largest"]) * 1.1
+                print(f"{label} {source} rank {rank}: peak {got['peak'] / 2**20:.0f} MiB above the empty process, "
+                      f"bound {bound / 2**20:.0f} MiB, held {got['held'] / 2**20:.0f} MiB")
+                assert got["peak"] <= bound, (label, source, rank, got["peak"] / 2**20, bound / 2**20)
+                if label == "pp2":  # a stage holds part of the model: its layers, not the others'
+                    assert got["held"] < 0.75 * (params + buffers), (rank, got["held"])
+            got = reports[0][f"{label} {source}"]
+            assert got["digests"] == reference["digests"], (label, source)  # bit for bit, from the seed and files
+        assert reports[0][f"{label} config"]["rng"] == reference["rng"]  # later draws as in one process
