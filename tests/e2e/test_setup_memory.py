@@ -1,6 +1,8 @@
 """Each rank builds and loads only its part: the peak host bytes of setup, per rank, for a Llama-shaped
-``trainkit.hf.CausalLM`` of 202M parameters (float32, 808 MB), under ddp, zero2 and fsdp on 2 ranks, built from a config
-and loaded from a ``save_pretrained`` directory; and its parameters equal a one-process build bit for bit.
+``trainkit.hf.CausalLM`` of 202M parameters (float32, 808 MB), under ddp, zero2 and fsdp on 2 ranks, built from a
+config, loaded from a ``save_pretrained`` directory, and resumed from a universal checkpoint (built from another seed,
+then loaded); and its parameters equal a one-process build bit for bit. ``trainkit export`` of that checkpoint holds at
+most one tensor.
 
 The peak is the kernel's (VmHWM of /proc/self/status, reset by writing 5 to /proc/self/clear_refs after imports,
 transformers' lazy ones included),
@@ -36,7 +38,7 @@ import json, os, sys
 import torch
 torch.set_num_threads(1)
 from tests.e2e.test_setup_memory import digests, peak_above, reset_peak
-from trainkit import transforms
+from trainkit import checkpoint, transforms
 from trainkit.hf import CausalLM
 from trainkit_strategies import Environment, Precision, get_strategy
 
@@ -44,22 +46,32 @@ name, config, pretrained, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3
 warm = CausalLM(config={**config, "num_hidden_layers": 1, "vocab_size": 64})  # transformers' lazy imports: part of
 with torch.device("meta"):  # the empty process, not of the model
     warm.configure_model()
+saved = os.path.join(os.path.dirname(out), "checkpoints")
 report = {}
-for source in ("config", "pretrained"):
-    torch.manual_seed(0)
+for source in ("config", "pretrained", "resume"):
+    torch.manual_seed(0 if source != "resume" else 1)  # resumed: other values first, the checkpoint's after loading
     start = reset_peak()
     strategy = get_strategy(name)
     strategy.setup_environment(Environment.from_env("cpu"))
-    module = CausalLM(config=config) if source == "config" else CausalLM(pretrained=pretrained)
+    module = CausalLM(pretrained=pretrained) if source == "pretrained" else CausalLM(config=config)
     transforms.build(module, strategy)
     strategy.setup(module, torch.optim.AdamW(module.parameters()), Precision.from_name("32"))
+    if source == "resume":
+        strategy.load_state(checkpoint.CheckpointReader(os.path.join(saved, "saved")), None)
     peak = peak_above(start)
+    if source == "config":
+        checkpoint.save(saved, "saved", strategy, {}, strategy.state_pieces(), {})
     whole = strategy.full_parameters()
     report[source] = {"peak": peak, "rng": torch.get_rng_state().sum().item(),
                       "digests": digests(whole) if strategy.rank == 0 else {}}
     strategy.teardown()
     del whole, module, strategy
-if int(os.environ["RANK"]) == 0:
+if int(os.environ["RANK"]) == 0:  # trainkit export of the checkpoint, piece by piece
+    from safetensors.torch import load_file
+    from trainkit.export import export
+    start = reset_peak()
+    exported = export(os.path.join(saved, "saved"), os.path.join(saved, "exported"))[0]
+    report["export"] = {"peak": peak_above(start), "digests": digests(load_file(exported))}
     with open(out, "w") as f:
         json.dump(report, f)
 '''
@@ -123,10 +135,14 @@ def test_each_rank_builds_and_loads_only_its_part(tmp_path, reference, name):
     # zero2 keeps whole parameters, and sets up its fp32 master pieces and gradient partition (half of each here)
     share = {"ddp": params, "zero2": 2 * params, "fsdp": params / 2}[name] + reference["buffers"]
     bound = (share + reference["largest"]) * 1.1
-    for source in ("config", "pretrained"):
+    for source in ("config", "pretrained", "resume"):
         got = report[source]
         print(f"{name} {source}: peak {got['peak'] / 2**20:.0f} MiB above the empty process, "
               f"bound {bound / 2**20:.0f} MiB")
         assert got["peak"] <= bound, (source, got["peak"] / 2**20, bound / 2**20)
-        assert got["digests"] == reference["digests"], source  # bit for bit, from the seed and from the files
+        assert got["digests"] == reference["digests"], source  # bit for bit: from the seed, the files, a checkpoint
+    exported = report["export"]  # it holds one stored piece (at most a tensor) at a time
+    print(f"{name} export: peak {exported['peak'] / 2**20:.0f} MiB, largest {reference['largest'] / 2**20:.0f} MiB")
+    assert exported["peak"] <= 1.1 * reference["largest"], exported["peak"] / 2**20
+    assert exported["digests"] == reference["digests"]
     assert report["config"]["rng"] == reference["rng"]  # later draws (dropout, shuffling) as in one process
