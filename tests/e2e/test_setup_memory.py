@@ -1,7 +1,9 @@
 """Each rank builds and loads only its part: the peak host bytes of setup, per rank, for a Llama-shaped
 ``trainkit.hf.CausalLM`` of 202M parameters (float32, 808 MB), under ddp, zero2, fsdp, tp2 and pp2 on 2 ranks and
 tp2 x dp_shard2 on 4, built from a config and loaded from a ``save_pretrained`` directory; and its parameters equal a
-one-process build bit for bit. The layouts of one world run one after another in one process group.
+one-process build bit for bit; so are ddp, fsdp and tp2 resumed from a universal checkpoint (built from another seed,
+then loaded), and ``trainkit export`` of that checkpoint holds at most one tensor. The layouts of one world run one
+after another in one process group.
 
 The peak is the kernel's (VmHWM of /proc/self/status, reset by writing 5 to /proc/self/clear_refs after imports,
 transformers' lazy ones included),
@@ -36,8 +38,8 @@ RANK = r'''
 import json, os, sys
 import torch
 torch.set_num_threads(1)
-from tests.e2e.test_setup_memory import digests, held, peak_above, reset_peak
-from trainkit import transforms
+from tests.e2e.test_setup_memory import RESUMED, digests, held, peak_above, reset_peak
+from trainkit import checkpoint, transforms
 from trainkit.hf import CausalLM
 from trainkit_strategies import Environment, Precision, get_strategy
 
@@ -45,22 +47,33 @@ layouts, config, pretrained, out = json.loads(sys.argv[1]), json.loads(sys.argv[
 warm = CausalLM(config={**config, "num_hidden_layers": 1, "vocab_size": 64})  # transformers' lazy imports: part of
 with torch.device("meta"):  # the empty process, not of the model
     warm.configure_model()
+saved = os.path.join(os.path.dirname(out), "checkpoints")
 report = {}
 for label, (name, options) in layouts.items():
-    for source in ("config", "pretrained"):
-        torch.manual_seed(0)
+    for source in ("config", "pretrained", "resume") if label in RESUMED else ("config", "pretrained"):
+        torch.manual_seed(0 if source != "resume" else 1)  # resumed: other values first, the checkpoint's after loading
         start = reset_peak()
         strategy = get_strategy(name, **options)
         strategy.setup_environment(Environment.from_env("cpu"))
-        module = CausalLM(config=config) if source == "config" else CausalLM(pretrained=pretrained)
+        module = CausalLM(pretrained=pretrained) if source == "pretrained" else CausalLM(config=config)
         transforms.build(module, strategy)
         strategy.setup(module, torch.optim.AdamW(module.parameters()), Precision.from_name("32"))
+        if source == "resume":
+            strategy.load_state(checkpoint.CheckpointReader(os.path.join(saved, label)), None)
         peak, kept = peak_above(start), held(module)
+        if source == "config" and label in RESUMED:
+            checkpoint.save(saved, label, strategy, {}, strategy.state_pieces(), {})
         whole = strategy.full_parameters()
         report[f"{label} {source}"] = {"peak": peak, "held": kept, "rng": torch.get_rng_state().sum().item(),
                                        "digests": digests(whole) if strategy.rank == 0 else {}}
         strategy.teardown()
         del whole, module, strategy
+if int(os.environ["RANK"]) == 0 and RESUMED[0] in layouts:  # trainkit export of a checkpoint, piece by piece
+    from safetensors.torch import load_file
+    from trainkit.export import export
+    start = reset_peak()
+    exported = export(os.path.join(saved, RESUMED[0]), os.path.join(saved, "exported"))[0]
+    report["export"] = {"peak": peak_above(start), "digests": digests(load_file(exported))}
 with open(out + os.environ["RANK"], "w") as f:
     json.dump(report, f)
 '''
@@ -114,6 +127,7 @@ def reference(tmp_path_factory):
             "vectors": sum(q.numel() * q.element_size() for q in model.parameters() if q.dim() == 1)}
 
 
+RESUMED = ("ddp", "fsdp", "tp2")  # saved after their build from the config, resumed from it (export: the first's)
 WORLDS = {2: {"ddp": ("ddp", {}), "zero2": ("zero2", {}), "fsdp": ("fsdp", {}), "tp2": ("parallel", {"tp": 2}),
              "pp2": ("parallel", {"pp": 2})},
           4: {"tp2 x dp_shard2": ("parallel", {"tp": 2, "dp_shard": 2})}}
@@ -141,7 +155,7 @@ def test_each_rank_builds_and_loads_only_its_part(tmp_path, reference, world):
     split = {"ddp": params, "zero2": 2 * params, "fsdp": params / 2, "tp2": (params + reference["vectors"]) / 2,
              "tp2 x dp_shard2": (params + reference["vectors"]) / 4}
     for label in WORLDS[world]:
-        for source in ("config", "pretrained"):
+        for source in ("config", "pretrained", "resume") if label in RESUMED else ("config", "pretrained"):
             for rank, report in enumerate(reports):
                 got = report[f"{label} {source}"]
                 share = split.get(label, got["held"] - buffers) + buffers
@@ -152,5 +166,10 @@ def test_each_rank_builds_and_loads_only_its_part(tmp_path, reference, world):
                 if label == "pp2":  # a stage holds part of the model: its layers, not the others'
                     assert got["held"] < 0.75 * (params + buffers), (rank, got["held"])
             got = reports[0][f"{label} {source}"]
-            assert got["digests"] == reference["digests"], (label, source)  # bit for bit, from the seed and files
+            assert got["digests"] == reference["digests"], (label, source)  # from the seed, files, a checkpoint
         assert reports[0][f"{label} config"]["rng"] == reference["rng"]  # later draws as in one process
+    if "export" in reports[0]:  # it holds one stored piece (at most a tensor) at a time
+        exported = reports[0]["export"]
+        print(f"export: peak {exported['peak'] / 2**20:.0f} MiB, largest {reference['largest'] / 2**20:.0f} MiB")
+        assert exported["peak"] <= 1.1 * reference["largest"], exported["peak"] / 2**20
+        assert exported["digests"] == reference["digests"]

@@ -216,6 +216,7 @@ class DDPStrategy(RecordsInit, Strategy):
         return self.compressor is not None and self.compressor.active and self.comm.active
 
     def reduce_gradients(self, scale: float | Tensor) -> None:
+        self._allocate()  # a rank that ran no backward yet still reduces (zeros) with the others
         unused = [p for p, s in self._slots.items() if not s.used and p.requires_grad]  # not: frozen for now (a
         # toggled optimizer's); their part of the bucket is zeroed and reduced as an unused parameter's
         if unused and not self.find_unused_parameters:
