@@ -77,7 +77,7 @@ class ExpertParallel(Dividing):
             for name in ("w1", "w3", "w2"):
                 param = getattr(layer, name)
                 split = Split(0, size)
-                keep_part(param, partial(split.local, rank=self.rank))
+                keep_part(param, partial(split.local, rank=self.rank), partial(split.view, rank=self.rank))
                 self.splits[param] = split
                 self._bytes += param.numel() * param.element_size()
             layer.expert_parallel = size

@@ -88,9 +88,8 @@ class RecordsInit(BuildsOnMeta):
                 self._replaced |= materialise_meta(self.module, self._replayer, self.device, {p: home})
                 p = params[index] = self._replaced[p]
                 value = p.detach()
-            flat = value.reshape(-1)
-            for start in range(0, flat.numel(), CHUNK):
-                chunk = flat[start : start + CHUNK].to(self.device, torch.float32)
+            for start, piece in _pieces(value, CHUNK):
+                chunk = piece.to(self.device, torch.float32)
                 self.comm.broadcast(chunk, src=0)  # every rank starts from rank 0's values
                 yield offset + start, chunk
 
@@ -103,6 +102,21 @@ class RecordsInit(BuildsOnMeta):
                 assert self.module is not None
                 p = params[index] = self._replaced[p] = replace_parameter(self.module, p, view.new_empty(0))
             p.data, p.grad = view, None
+
+
+def _pieces(value: Tensor, size: int) -> Iterator[tuple[int, Tensor]]:
+    """``value`` flattened, in pieces of about ``size`` elements: (offset, piece). A view that is not contiguous (an
+    axis's part of a whole) is copied a block of rows at a time, never whole."""
+    if value.is_contiguous() or value.dim() < 2:
+        flat = value.reshape(-1)
+        for start in range(0, flat.numel(), size):
+            yield start, flat[start : start + size]
+        return
+    rows = value.flatten(1) if value.dim() > 2 else value
+    width = rows.shape[1]
+    step = max(1, size // max(width, 1))
+    for first in range(0, rows.shape[0], step):
+        yield first * width, rows[first : first + step].reshape(-1)
 
 
 def retarget(optimizer: Optimizer, replaced: dict[Tensor, nn.Parameter]) -> None:
@@ -195,18 +209,20 @@ def replace_parameter(root: nn.Module, old: Tensor, data: Tensor) -> nn.Paramete
     return old  # type: ignore[return-value]
 
 
-def keep_part(param: Tensor, part: Callable[[Tensor], Tensor]) -> None:
+def keep_part(param: Tensor, part: Callable[[Tensor], Tensor], view: Callable[[Tensor], Tensor] | None = None) -> None:
     """Cut ``param`` to ``part(param)`` in place (an axis's share of it: tensor parallelism's slice, expert
     parallelism's experts). On the meta device it remembers the whole it is a part of, so materialising gives it its
-    part of the one-process value (or of the pretrained file's tensor): one whole tensor rebuilt or read at a time."""
+    part of the one-process value (or of the pretrained file's tensor): one whole tensor rebuilt or read at a time.
+    ``view``: the same part as a view of the whole where it can be, so materialising copies none of it twice."""
     whole = param.data
     param.data = part(whole)
     if whole.is_meta:
+        cut = view or part
         origin, before = getattr(param, "_trainkit_part", (whole, None))
         if before is None:
             origin._trainkit_name = getattr(param, "_trainkit_name", None)
             origin._trainkit_source = getattr(param, "_trainkit_source", None)
-        param._trainkit_part = (origin, part if before is None else _composed(before, part))
+        param._trainkit_part = (origin, cut if before is None else _composed(before, cut))
 
 
 def _composed(first: Callable[[Tensor], Tensor], then: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
@@ -246,7 +262,7 @@ class WholeValue:
         part = getattr(tensor, "_trainkit_part", None)
         if part is not None:  # an axis's part of a whole: the whole's value, cut as the axis cut it
             whole = self(part[0])
-            return None if whole is None else part[1](whole).contiguous()
+            return None if whole is None else part[1](whole)  # a view where it can be: no second copy
         dtype = torch.float32 if tensor.is_floating_point() else tensor.dtype
         out = torch.empty(tensor.shape, dtype=dtype)
         if _read(self.source, self.names, tensor, out, None):

@@ -54,9 +54,15 @@ class Split:
 
     def local(self, full: Tensor, rank: int) -> Tensor:
         """Rank ``rank``'s part of ``full``, as a tensor of its own."""
+        return self.view(full, rank).clone()
+
+    def view(self, full: Tensor, rank: int) -> Tensor:
+        """Rank ``rank``'s part of ``full``, a view of it where one can be (one block, or a split of dimension 0)."""
         width = full.shape[self.dim] // self.parts // self.ranks
+        if self.parts == 1:
+            return full.narrow(self.dim, rank * width, width)
         blocks = full.unflatten(self.dim, (self.parts, -1))
-        return blocks.narrow(self.dim + 1, rank * width, width).flatten(self.dim, self.dim + 1).clone()
+        return blocks.narrow(self.dim + 1, rank * width, width).flatten(self.dim, self.dim + 1)
 
     def whole(self, locals_: list[Tensor]) -> Tensor:
         """The full tensor from every rank's part (in rank order)."""

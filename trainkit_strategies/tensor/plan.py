@@ -97,7 +97,7 @@ def _split(name: str, param: Tensor | None, split: Split, comm: Comm, done: Appl
                                      f"({done.splits[param]} against {split}); give both layers the same style.")
         return
     split.check(name, tuple(param.shape))
-    keep_part(param, partial(split.local, rank=comm.rank))
+    keep_part(param, partial(split.local, rank=comm.rank), partial(split.view, rank=comm.rank))
     done.splits[param] = split
 
 
