@@ -54,3 +54,17 @@ def test_an_init_function_kept_past_its_recording_records_into_the_next():
         out = torch.empty(4, 3)
         Replayer(recorder).fill(weight, out)
         assert torch.equal(out, expected), build
+
+
+def test_a_deep_copy_made_while_recording_replays_as_a_copy():
+    """torchmetrics keeps each state's default and resets the state to a deep copy of it: a copy made on meta is
+    rebuilt as a copy of its source (replaying the deep copy itself recursed through its memo without end)."""
+    torchmetrics = __import__("pytest").importorskip("torchmetrics")
+    recorder = InitRecorder()
+    with torch.device("meta"), recorder:
+        metric = torchmetrics.MaxMetric()
+    replayer = Replayer(recorder)
+    for tensor in (metric._defaults["max_value"], metric.max_value):
+        out = torch.zeros(())
+        replayer.fill(tensor, out)
+        assert out.item() == float("-inf")

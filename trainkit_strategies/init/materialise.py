@@ -70,7 +70,26 @@ class RecordsInit(BuildsOnMeta):
 
     def _place(self, module: nn.Module) -> None:
         self._materialise_rest(module)
+        self._materialise_states(module)
         super()._place(module)  # type: ignore[misc]
+
+    def _materialise_states(self, module: nn.Module) -> None:
+        """What a module's own ``_apply`` moves besides parameters and buffers (a torchmetrics ``Metric``'s states
+        and their defaults), built on meta: on the device, with the values the recording gives them."""
+        if self.device.type == "meta":
+            return
+
+        def real(t: Tensor) -> Tensor:
+            if not t.is_meta:
+                return t
+            out = torch.zeros(t.shape, dtype=t.dtype, device=self.device)
+            if self._replayer is not None and self._replayer.knows(t):
+                self._replayer.fill(t, out)
+            return out
+
+        for mod in module.modules():
+            if type(mod)._apply is not nn.Module._apply:  # it moves more than parameters and buffers
+                mod._apply(real)
 
     def _chunks(self, params: list[Tensor], offsets: list[int]) -> Iterator[tuple[int, Tensor]]:
         """Rank 0's value of each of ``params`` (laid out at ``offsets`` of a flat buffer) in chunks of 16 MiB,

@@ -112,6 +112,8 @@ class InitRecorder(TorchFunctionMode):
         if not any(isinstance(t, Tensor) and t.is_meta for t in leaves) and \
                 torch.get_default_device().type != "meta" and not _makes_meta(kwargs):
             return func(*args, **kwargs)
+        if name == "__deepcopy__" and type(args[0]) is Tensor:  # a clone: its memo would hold the copy itself
+            return self._log(Tensor.clone, (args[0],), {}, [args[0]], None, random=False)
         return self._log(func, args, kwargs, leaves, None, random=name in _RANDOM)
 
     def _log(self, func: Any, args: tuple, kwargs: dict, leaves: list, result: Any, random: bool) -> Any:
