@@ -16,7 +16,7 @@ from trainkit.manual import strategy_optimizer
 from trainkit.module import TrainModule
 from trainkit.optim import parse_optimizers
 from trainkit.step import unpack_output
-from trainkit_strategies import Environment, Precision, RunsSchedule, Strategy, capability
+from trainkit_strategies import Environment, Parallelizes, Precision, RunsSchedule, Strategy, capability
 from trainkit_strategies.communication.plan_comm import PlanComm
 from trainkit_strategies.context.huggingface import without_masks
 from trainkit_strategies.planning.setup import SetupMeter, SetupPeak
@@ -73,6 +73,9 @@ def set_up(strategy: Strategy, module: nn.Module, precision: Precision, world_si
     env = Environment(device=META, rank=rank, local_rank=rank, world_size=world_size, host=META,
                       separate_host=separate, local_world_size=devices_per_node or 0)
     strategy.setup_environment(env, comm=PlanComm(world_size, rank, META))
+    parallelizes = capability(strategy, Parallelizes)
+    if parallelizes is not None:  # the axes cut the meta model first, as a run's transforms do: nothing allocated
+        parallelizes.parallelize(model)
     optimizer = plan_optimizer(model)
     with SetupMeter(model, META, separate) as meter:
         strategy.setup(model, optimizer, precision)

@@ -64,11 +64,7 @@ def test_the_setup_host_peak_is_the_largest_whole_tensor_rebuilt(plans, row):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("row", [
-    pytest.param("pp4 tp8", marks=pytest.mark.xfail(
-        strict=True, reason="today tensor parallelism cuts every layer before the pipeline takes its stage: issue "
-                            "44's materialisation step for the tensor and pipeline axes")),
-    "fsdp"])
+@pytest.mark.parametrize("row", ["pp4 tp8", "fsdp"])
 def test_the_setup_device_peak_is_the_ranks_share(plans, row):
     """On the device a rank holds its share and what its engine adds at setup (within 10%): fsdp's 1/64 of every
     parameter (padding is a few elements a unit) plus one gather buffer, allocated and freed bucket by bucket as

@@ -62,6 +62,9 @@ class SetupMeter:
     def __init__(self, model: nn.Module, device: torch.device, separate_host: bool) -> None:
         tensors = [*model.parameters(), *model.buffers()]
         self._built = {_storage_key(t): t.untyped_storage().nbytes() for t in tensors}
+        # an axis's part of a tensor (tensor parallelism's slice) is cut from the whole, rebuilt or read whole
+        self._whole = {_storage_key(t): getattr(t, "_trainkit_part", (t,))[0].untyped_storage().nbytes()
+                       for t in tensors}
         # their storages held, so that none made later takes a key of theirs (a parameter's ``.data`` is replaced)
         self._alive = [t.untyped_storage() for t in tensors]
         self._device = LiveBytes(device, existing=frozenset(self._built))
@@ -84,7 +87,7 @@ class SetupMeter:
         """The peak, given what the rank holds after setup (a report's ``storages``, or the tensors themselves)."""
         storages = held.storages if isinstance(held, MemoryReport) else {_storage_key(t) for t in held}
         kept = {key for key in self._built if key in storages}
-        largest = max((self._built[key] for key in kept | self._reads.read), default=0)
+        largest = max((self._whole[key] for key in kept | self._reads.read), default=0)
         device = self._device.peak + sum(self._built[key] for key in kept)
         host = self._host.peak + largest
         if not self.separate_host:
