@@ -12,8 +12,8 @@ The order is torchtitan's ``parallelize_llama`` (and picotron's ``train.py``), t
 
 Compiling before the engine keeps the engine's hooks outside the compiled code: a block's ``forward`` is compiled,
 while the module call around it (where sharding gathers parameters and ddp's gradient hooks fire) stays eager, so
-compilation composes with every strategy. Context parallelism needs no transform: attention asks at run time
-(``trainkit.parallel.attention``) whether a context-parallel group is active.
+compilation composes with every strategy. Context parallelism is a transform too: it installs its group on the
+modules, where ``trainkit.parallel.attention`` finds it (``trainkit_strategies/axis.py``).
 """
 
 from __future__ import annotations
