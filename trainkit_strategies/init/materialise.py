@@ -118,8 +118,7 @@ class RecordsInit(BuildsOnMeta):
         for index, view in enumerate(views):
             p = params[index]
             if p.is_meta and self.device.type != "meta":
-                assert self.module is not None
-                p = params[index] = self._replaced[p] = replace_parameter(self.module, p, view.new_empty(0))
+                p = params[index] = self._replaced[p] = replace_parameter(p, view.new_empty(0))
             p.data, p.grad = view, None
 
 
@@ -183,7 +182,7 @@ def materialise_meta(root: nn.Module, replayer: Replayer | None, device: torch.d
             home = homes.get(old)
             shape = old[parts[old]] if old in parts else old
             data = home if home is not None else torch.empty_like(shape, device=device, dtype=torch.float32)
-            replaced[old] = replace_parameter(root, old, data)
+            replaced[old] = replace_parameter(old, data)
         for name, buf in buffers.items():
             mod._buffers[name] = torch.empty_like(buf, device=device)
         olds = {**{(n, "p"): t for n, t in metas.items()}, **{(n, "b"): t for n, t in buffers.items()}}
@@ -218,7 +217,7 @@ def materialise_meta(root: nn.Module, replayer: Replayer | None, device: torch.d
     return replaced
 
 
-def replace_parameter(root: nn.Module, old: Tensor, data: Tensor) -> nn.Parameter:
+def replace_parameter(old: Tensor, data: Tensor) -> nn.Parameter:
     """``old`` (a meta parameter) made a parameter on ``data`` in place: the same object, so whatever holds it (its
     modules, tied ones too, an optimizer's groups, an axis's or an engine's bookkeeping made before setup) holds the
     real one. Its former self, the meta tensor the recorder knows, is kept as ``old._trainkit_meta``."""

@@ -172,7 +172,7 @@ class Pipeline(RunsSchedule):
             for q in names:
                 if q not in rank_of or self.stage not in rank_of[q]:  # another stage's: never run here
                     if q.is_meta:  # built on meta: never materialised whole here
-                        replace_parameter(module, q, torch.empty(0, dtype=q.dtype, device=self.device))
+                        replace_parameter(q, torch.empty(0, dtype=q.dtype, device=self.device))
                     else:
                         q.data = torch.empty(0, dtype=q.dtype, device=q.device)
             for q, group, _ in self._tied:  # start equal: the first stage holding it decides (through the device)
