@@ -145,3 +145,11 @@ def test_link_smoke_context_parallel():
     assert proc.returncode == 0, proc.stderr[-3000:]
     for row in ("trainkit cp2 ring", "trainkit cp2 all_gather", "trainkit cp2 ulysses", "1 rank, the whole sequence"):
         assert row in proc.stdout, row
+
+
+def test_setup_smoke():
+    pytest.importorskip("transformers")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "setup.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "transformers from_config" in proc.stdout and "trainkit fsdp" in proc.stdout, proc.stdout

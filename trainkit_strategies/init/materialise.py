@@ -44,33 +44,27 @@ class RecordsInit(BuildsOnMeta):
     module: nn.Module | None
     comm: Any
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._replaced: dict[Tensor, nn.Parameter] = {}  # meta parameter -> the parameter that replaced it
-
     def init_context(self) -> contextlib.AbstractContextManager:
         return self._recording()
 
     @contextlib.contextmanager
     def _recording(self) -> Iterator[None]:
-        recorder = InitRecorder()
+        recorder = InitRecorder(defer=True)  # the generator caught up as the model is materialised (``_place``)
         with torch.device("meta"), recorder:
             yield
         self._replayer = Replayer(recorder)
 
-    def _materialise_rest(self, module: nn.Module) -> dict[Tensor, nn.Parameter]:
-        """Every meta parameter and buffer of ``module``, whole, on the device with its one-process value; the
-        optimizer's param groups point at the new parameters."""
-        if self.device.type == "meta" or not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-            return {}
-        replaced = materialise_meta(module, self._replayer, self.device)
-        if self.optimizer is not None:
-            retarget(self.optimizer, replaced)
-        return replaced
+    def _materialise_rest(self, module: nn.Module) -> None:
+        """Every meta parameter and buffer of ``module``, whole, on the device with its one-process value (each
+        parameter stays the same object: whatever holds it, the optimizer too, holds the real one)."""
+        if self.device.type != "meta" and any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            materialise_meta(module, self._replayer, self.device)
 
     def _place(self, module: nn.Module) -> None:
         self._materialise_rest(module)
         self._materialise_states(module)
+        if self._replayer is not None:  # the random generator where one process leaves it after configure_model
+            self._replayer.finish()
         super()._place(module)  # type: ignore[misc]
 
     def _materialise_states(self, module: nn.Module) -> None:
@@ -82,8 +76,11 @@ class RecordsInit(BuildsOnMeta):
         def real(t: Tensor) -> Tensor:
             if not t.is_meta:
                 return t
+            known = self._replayer is not None and self._replayer.knows(t)
+            if known:
+                self._replayer.prepare(t)
             out = torch.zeros(t.shape, dtype=t.dtype, device=self.device)
-            if self._replayer is not None and self._replayer.knows(t):
+            if known:
                 self._replayer.fill(t, out)
             return out
 
@@ -95,19 +92,20 @@ class RecordsInit(BuildsOnMeta):
         """Rank 0's value of each of ``params`` (laid out at ``offsets`` of a flat buffer) in chunks of 16 MiB,
         float32 on the device: (offset in the buffer, chunk). A meta parameter is rebuilt or read whole on the host
         first (``WholeValue``), so a caller that copies what it keeps of each chunk holds one whole tensor beside
-        it, however large the buffer. One a fallback materialised (its module's ``reset_parameters()``, the module
-        whole) takes its meta parameter's place in ``params``."""
+        it, however large the buffer. One neither the log nor a file has is given its module's
+        ``reset_parameters()`` values (the module whole, with a warning)."""
         assert self.module is not None
         whole = WholeValue(self.module, self._replayer)
-        for index, offset in enumerate(offsets):
-            p = params[index] = self._replaced.get(params[index], params[index])
+        for p, offset in zip(params, offsets, strict=True):
             value = whole(p) if p.is_meta and self.device.type != "meta" else p.detach()
             if value is None:
                 home = torch.empty(p.shape, device=self.device)
-                self._replaced |= materialise_meta(self.module, self._replayer, self.device, {p: home})
-                p = params[index] = self._replaced[p]
+                materialise_meta(self.module, self._replayer, self.device, {p: home})
                 value = p.detach()
-            for start, piece in _pieces(value, CHUNK):
+            # planning on meta (``trainkit estimate``): an fp32 tensor moves without a copy, so whole is the same
+            size = max(1, value.numel()) if value.is_meta and value.dtype == torch.float32 and \
+                value.is_contiguous() else CHUNK
+            for start, piece in _pieces(value, size):
                 chunk = piece.to(self.device, torch.float32)
                 self.comm.broadcast(chunk, src=0)  # every rank starts from rank 0's values
                 yield offset + start, chunk
@@ -115,10 +113,9 @@ class RecordsInit(BuildsOnMeta):
     def _point(self, params: list[Tensor], views: list[Tensor]) -> None:
         """Make ``params`` the ``views`` (their places in a flat buffer); a meta one is first replaced by a
         parameter of its own, which keeps its own version counter, not the buffer's."""
-        for index, view in enumerate(views):
-            p = params[index]
+        for p, view in zip(params, views, strict=True):
             if p.is_meta and self.device.type != "meta":
-                p = params[index] = self._replaced[p] = replace_parameter(p, view.new_empty(0))
+                replace_parameter(p, view.new_empty(0))
             p.data, p.grad = view, None
 
 
@@ -137,16 +134,10 @@ def _pieces(value: Tensor, size: int) -> Iterator[tuple[int, Tensor]]:
         yield first * width, rows[first : first + step].reshape(-1)
 
 
-def retarget(optimizer: Optimizer, replaced: dict[Tensor, nn.Parameter]) -> None:
-    """Point ``optimizer``'s param groups at the parameters that replaced meta ones (before any state exists)."""
-    for group in optimizer.param_groups:
-        group["params"] = [replaced.get(p, p) for p in group["params"]]
-
-
 def materialise_meta(root: nn.Module, replayer: Replayer | None, device: torch.device,
                      homes: dict[Tensor, Tensor] | None = None,
-                     parts: dict[Tensor, tuple] | None = None) -> dict[Tensor, nn.Parameter]:
-    """Give meta parameters real storage and values; returns each replaced meta parameter's new parameter.
+                     parts: dict[Tensor, tuple] | None = None) -> None:
+    """Give meta parameters real storage and values, in place (``replace_parameter``: each stays the same object).
 
     ``homes`` (parameter -> its place in a unit's buffer): only modules with a meta parameter among them are
     materialised, their parameters placed there; None: every module's. A module is materialised once, all its
@@ -158,7 +149,6 @@ def materialise_meta(root: nn.Module, replayer: Replayer | None, device: torch.d
     parts = parts or {}
     source: Source | None = getattr(root, "tensor_source", None)
     names = {t: n for n, t in (*root.named_parameters(), *root.named_buffers())} if source is not None else {}
-    replaced: dict[Tensor, nn.Parameter] = {}
     whole: WholeValue | None = None  # made at the first part of a whole met
     for mod in root.modules():
         metas = {n: p for n, p in mod._parameters.items() if p is not None and p.is_meta}
@@ -178,11 +168,14 @@ def materialise_meta(root: nn.Module, replayer: Replayer | None, device: torch.d
             rank_zero_warn(f"{type(mod).__name__}'s tensors were computed in configure_model in a way trainkit "
                            "cannot replay; they are initialised by its reset_parameters() instead, so they "
                            "differ from a one-process run.")
+        if replay and source is None:  # the draws it does not replay made first, before its tensors are allocated
+            for t in [*metas.values(), *buffers.values()]:
+                replayer.prepare(_stand_in(t))
         for old in metas.values():
             home = homes.get(old)
             shape = old[parts[old]] if old in parts else old
             data = home if home is not None else torch.empty_like(shape, device=device, dtype=torch.float32)
-            replaced[old] = replace_parameter(old, data)
+            replace_parameter(old, data)
         for name, buf in buffers.items():
             mod._buffers[name] = torch.empty_like(buf, device=device)
         olds = {**{(n, "p"): t for n, t in metas.items()}, **{(n, "b"): t for n, t in buffers.items()}}
@@ -214,7 +207,6 @@ def materialise_meta(root: nn.Module, replayer: Replayer | None, device: torch.d
                     continue
                 if replayer is not None and replayer.knows(buf):
                     replayer.fill(buf, mod._buffers[name])
-    return replaced
 
 
 def replace_parameter(old: Tensor, data: Tensor) -> nn.Parameter:
@@ -282,10 +274,15 @@ class WholeValue:
             whole = self(part[0])
             return None if whole is None else part[1](whole)  # a view where it can be: no second copy
         dtype = torch.float32 if tensor.is_floating_point() else tensor.dtype
+        name = getattr(tensor, "_trainkit_name", None) or self.names.get(tensor)
+        read = (getattr(tensor, "_trainkit_source", None) or self.source) is not None and name is not None
+        known = self.replayer is not None and self.replayer.knows(tensor)
+        if known and not read:  # the draws it does not replay made before it is allocated
+            self.replayer.prepare(tensor)
         out = torch.empty(tensor.shape, dtype=dtype)
         if _read(self.source, self.names, tensor, out, None):
             return out
-        if self.replayer is not None and self.replayer.knows(tensor):
+        if known:
             self.replayer.fill(tensor, out)
             return out
         return None
