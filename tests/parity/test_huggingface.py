@@ -30,6 +30,9 @@ def _cases(world: int) -> list[Case]:
         cases.append(Case("tp2-hf_llama_tied", "parallel", {"tp": 2}, model="hf_llama_tied", accumulate=2, clip=0.05))
         cases += [Case(f"ep2-{model}", "parallel", {"ep": 2}, model=model, accumulate=2, clip=0.05)
                   for model in MOE_MODELS]
+    if world == 4:  # each rank a quarter of the experts' state: half the experts, sharded over dp_shard
+        cases.append(Case("ep2-dps2-hf_mixtral", "parallel", {"ep": 2, "dp_shard": 2}, model="hf_mixtral",
+                          accumulate=2, clip=0.05))
     return cases
 
 
