@@ -80,8 +80,8 @@ class ExpertParallel(Dividing):
                 raise ConfigurationError(
                     f"parallel: ep={size} divides Hugging Face experts held as transformers' packed default "
                     f"(gate_up_proj [E, 2I, H] and down_proj [E, H, I], gate then up, no bias: {FAMILIES}); "
-                    f"{family}'s {name} ({type(experts).__name__}) has {why}: train {family} with ep=1 (dp_shard "
-                    "shards its experts with the rest of the model).")
+                    f"{family}'s {name} ({type(experts).__name__}) differs: {why}. Train {family} with ep=1 "
+                    "(dp_shard shards its experts with the rest of the model).")
         for count in {layer.num_experts for layer in layers} | {e.gate_up_proj.shape[0] for _, _, e in packed}:
             if count % size:
                 raise ConfigurationError(f"parallel: ep={size} does not divide the {count} experts of a MoE layer: "
