@@ -287,6 +287,11 @@ HF_CONFIGS = {  # small transformers models built offline from a config
     "hf_qwen2": dict(model_type="qwen2", **_HF_SMALL),  # biased q, k and v
     "hf_gpt2": dict(model_type="gpt2", vocab_size=16, n_positions=32, n_embd=32, n_layer=2, n_head=4,  # Conv1D,
                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),  # tied head
+    # MoE blocks with transformers' packed experts (4, top 2); Qwen2-MoE's with a shared expert beside them
+    "hf_mixtral": dict(model_type="mixtral", sliding_window=None, num_local_experts=4, num_experts_per_tok=2,
+                       **_HF_SMALL),
+    "hf_qwen2_moe": dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=32, **_HF_SMALL),
 }
 
 

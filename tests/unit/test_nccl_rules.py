@@ -374,6 +374,19 @@ def test_expert_layouts_keep_collectives_on_the_device(world_size, options):
         assert world.p2p_order_problems() == []
 
 
+
+@pytest.mark.slow
+def test_hugging_face_experts_keep_collectives_on_the_device():
+    """A Hugging Face Mixtral's packed experts divided over ep=2 (``experts/huggingface.py``): the same dispatcher's
+    counts and all-to-alls, from transformers' router, under every recipe."""
+    from tests.unit.test_hf_experts import causal_lm
+
+    for precision, accumulate, clip, algorithm, _ in RECIPES:
+        world = SimWorld(2)
+        world.run(lambda r, w=world, p=precision, a=accumulate, c=clip, g=algorithm: train(
+            w, r, "parallel", {"ep": 2}, lambda: causal_lm("mixtral"), p, a, c, g))
+        assert world.p2p_order_problems() == []
+
 def test_ulysses_refuses_heads_the_group_cannot_share():
     world = SimWorld(4)
     with pytest.raises(ValueError, match=r"cp_method='ulysses' gives each of the cp=4 ranks heads/cp of the heads, "

@@ -9,14 +9,17 @@ sends the results back the same way; backward runs the two all-to-alls the other
 tensors (``trainkit estimate``) the counts are unknown: routing is planned as balanced, and the experts loop (the
 shapes and bytes are the same; grouped_mm's fake kernel takes CUDA's dtypes only).
 
-The experts are SwiGLU MLPs held as stacked weights ``w1``, ``w3`` [experts, dim, hidden] and ``w2`` [experts,
-hidden, dim]: ``w2(silu(x w1) * x w3)``. They run as ``F.grouped_mm`` where torch has it for the device and dtype
-(the first failure is remembered, with its reason, and the experts loop from then on).
+What the experts compute is the caller's (``compute``: this rank's experts on their rows, sorted by expert):
+trainkit's ``MoE`` has SwiGLU MLPs held as stacked weights ``w1``, ``w3`` [experts, dim, hidden] and ``w2`` [experts,
+hidden, dim], ``w2(silu(x w1) * x w3)`` (``experts_forward``); a Hugging Face block keeps its own packed weights and
+activation (``huggingface.py``). Both run as ``F.grouped_mm`` where torch has it for the device and dtype
+(``by_expert``: the first failure is remembered, with its reason, and the experts loop from then on).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,6 +32,7 @@ from trainkit_strategies.communication.comm import Comm
 from trainkit_strategies.experts.routing import count_experts
 
 _grouped_fails: dict[tuple[str, torch.dtype], str] = {}  # (device type, dtype) -> why grouped_mm failed there
+Experts = Callable[[Tensor, list[int]], Tensor]  # rows sorted by expert, counts[e] for local expert e -> outputs
 
 
 class _AllToAll(Function):
@@ -74,28 +78,39 @@ def grouped_mm_fallback() -> dict[tuple[str, torch.dtype], str]:
     return dict(_grouped_fails)
 
 
-def _gmm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+def gmm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    """``F.grouped_mm`` of ``x``'s rows (grouped at ``offsets``) by each group's matrix of ``w`` [groups, in, out],
+    handing a contiguous gradient back to grouped_mm's backward."""
     return _ContiguousGrad.apply(F.grouped_mm(x, w, offs=offsets))
 
 
-def experts_forward(x: Tensor, counts: list[int], w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
-    """SwiGLU of each expert on its rows of ``x`` (sorted by expert, ``counts[e]`` rows for expert e)."""
+def by_expert(x: Tensor, counts: list[int], grouped: Callable[[Tensor], Tensor],
+              each: Callable[[Tensor, int], Tensor], width: int) -> Tensor:
+    """Each expert on its rows of ``x`` (sorted by expert, ``counts[e]`` rows for expert e): ``grouped(offsets)``
+    (grouped_mm, the groups ending at ``offsets``) where torch runs it for the device and dtype, else ``each(part,
+    e)`` expert by expert; ``width``: the outputs' features."""
     key = (x.device.type, x.dtype)
     if hasattr(F, "grouped_mm") and key not in _grouped_fails and x.shape[0] > 0 and not unknown(x):
         offsets = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=x.device)
         try:
-            return _gmm(F.silu(_gmm(x, w1, offsets)) * _gmm(x, w3, offsets), w2, offsets)
-        except (RuntimeError, NotImplementedError) as err:  # a device or dtype grouped_mm does not take
+            return grouped(offsets)
+        except (RuntimeError, NotImplementedError) as err:  # a device, dtype or stride grouped_mm does not take
             _grouped_fails[key] = str(err).splitlines()[0]
-    outs = [F.silu(part @ w1[e]) * (part @ w3[e]) @ w2[e] for e, part in enumerate(x.split(counts))]
-    return torch.cat(outs) if outs else x.new_zeros((0, w2.shape[-1]))
+    outs = [each(part, e) for e, part in enumerate(x.split(counts))]
+    return torch.cat(outs) if outs else x.new_zeros((0, width))
+
+
+def experts_forward(x: Tensor, counts: list[int], w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
+    """SwiGLU of each expert on its rows of ``x`` (sorted by expert, ``counts[e]`` rows for expert e)."""
+    return by_expert(x, counts, lambda offs: gmm(F.silu(gmm(x, w1, offs)) * gmm(x, w3, offs), w2, offs),
+                     lambda part, e: F.silu(part @ w1[e]) * (part @ w3[e]) @ w2[e], w2.shape[-1])
 
 
 def dispatch(tokens: Tensor, experts: Tensor, weights: Tensor, keep: Tensor | None, num_experts: int,
-             w1: Tensor, w3: Tensor, w2: Tensor, ep: Comm | None = None) -> tuple[Tensor, Tensor]:
+             compute: Experts, ep: Comm | None = None) -> tuple[Tensor, Tensor]:
     """``sum_k weights[t, k] * expert_{experts[t, k]}(tokens[t])`` for every token [tokens, dim] (assignments
-    outside ``keep`` left out), and the assignments each expert took [num_experts]. Under ``ep`` this rank holds
-    experts ``rank * E/ep ...`` (``w1.shape[0]`` of them) and exchanges rows with the group."""
+    outside ``keep`` left out), and the assignments each expert took [num_experts]. ``compute`` runs this rank's
+    experts; under ``ep`` it holds experts ``rank * E/ep ...`` and exchanges rows with the group."""
     total, k = experts.shape
     flat = experts.reshape(-1)
     weight = weights.reshape(-1)
@@ -113,17 +128,18 @@ def dispatch(tokens: Tensor, experts: Tensor, weights: Tensor, keep: Tensor | No
     per_expert = _balanced(int(flat.numel()), num_experts) if unknown(counts) else [int(c) for c in counts.tolist()]
     rows = tokens[token]
     if not parallel:
-        out = experts_forward(rows, per_expert, w1, w3, w2)
+        out = compute(rows, per_expert)
     else:
         gathering.wait()
-        out = _expert_parallel(rows, everyone, per_expert, num_experts, w1, w3, w2, ep)
+        out = _expert_parallel(rows, everyone, per_expert, num_experts, compute, ep)
     combined = torch.zeros_like(tokens).index_add(0, token, out * weight.unsqueeze(-1).to(out.dtype))
     return combined, counts
 
 
-def _expert_parallel(rows: Tensor, everyone: Tensor, per_expert: list[int], num_experts: int, w1: Tensor,
-                     w3: Tensor, w2: Tensor, ep: Comm) -> Tensor:
-    size, local = ep.world_size, w1.shape[0]
+def _expert_parallel(rows: Tensor, everyone: Tensor, per_expert: list[int], num_experts: int, compute: Experts,
+                     ep: Comm) -> Tensor:
+    size = ep.world_size
+    local = num_experts // size
     table = per_expert * size if unknown(everyone) else [int(c) for c in everyone.tolist()]
     mine = ep.rank * local
     sent = [sum(per_expert[j * local:(j + 1) * local]) for j in range(size)]
@@ -131,6 +147,6 @@ def _expert_parallel(rows: Tensor, everyone: Tensor, per_expert: list[int], num_
     received = [sum(c) for c in from_each]
     arrived = _AllToAll.apply(rows, ep, received, sent)  # by source rank, then by expert
     # each source's rows through the experts as they came (sorted by expert within it): no permutation to undo
-    computed = [experts_forward(part, counts_of, w1, w3, w2)
+    computed = [compute(part, counts_of)
                 for part, counts_of in zip(arrived.split(received), from_each, strict=True)]
     return _AllToAll.apply(torch.cat(computed), ep, sent, received)

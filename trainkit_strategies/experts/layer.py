@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +13,7 @@ from torch import Tensor, nn
 
 from trainkit_strategies.experts.auxiliary import add_auxiliary_loss
 from trainkit_strategies.experts.context import ExpertContext
-from trainkit_strategies.experts.dispatch import dispatch
+from trainkit_strategies.experts.dispatch import dispatch, experts_forward
 from trainkit_strategies.experts.routing import (
     BALANCES,
     SCORINGS,
@@ -116,8 +117,8 @@ class MoE(nn.Module):
             terms = self.balance_coef * self.balance + self.z_coef * self.z
             add_auxiliary_loss(terms, tokens.shape[0] * context.slices, self)
             self.balance, self.z = self.balance.detach(), self.z.detach()
-        routed, counts = dispatch(tokens, experts, weights.to(x.dtype), keep, self.num_experts, self.w1, self.w3,
-                                  self.w2, ep)
+        compute = partial(experts_forward, w1=self.w1, w3=self.w3, w2=self.w2)
+        routed, counts = dispatch(tokens, experts, weights.to(x.dtype), keep, self.num_experts, compute, ep)
         if self.training:
             self.tokens_per_expert = counts.detach()
             self.dropped = 1 - counts.sum().float() / experts.numel()  # 0 when dropless

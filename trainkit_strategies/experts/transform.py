@@ -1,5 +1,6 @@
-"""The ``ep`` axis of ``strategy="parallel"``: the experts of every ``MoE`` layer divided among the ranks of an
-expert-parallel group, tokens sent to their experts and back by all-to-all (``dispatch.py``).
+"""The ``ep`` axis of ``strategy="parallel"``: the experts of every ``MoE`` layer, and of every Hugging Face MoE block
+whose experts transformers holds packed (``huggingface.py``), divided among the ranks of an expert-parallel group,
+tokens sent to their experts and back by all-to-all (``dispatch.py``).
 
 The group is drawn from the data-parallel ranks, as torchtitan and DeepSpeed-MoE draw it: its ranks read different
 batches, and everything but the experts is replicated across it (the layout's other axes shard and split it as
@@ -26,6 +27,7 @@ from trainkit_strategies.axis import Dividing
 from trainkit_strategies.communication.comm import Comm
 from trainkit_strategies.errors import ConfigurationError
 from trainkit_strategies.experts.context import ExpertContext
+from trainkit_strategies.experts.huggingface import FAMILIES, divide, experts_modules, unpacked
 from trainkit_strategies.experts.layer import MoE
 from trainkit_strategies.init.materialise import keep_part
 from trainkit_strategies.tensor.layers import Split
@@ -56,8 +58,8 @@ class ExpertParallel(Dividing):
         return cls(ep, ExpertContext(ep if ep.active else None, sequence, layout.tp if sp else 1))
 
     def transform(self, module: nn.Module, device: Any) -> None:
-        """Cut every MoE layer's stacked expert weights to this rank's block of experts (from the group's first
-        rank's values), and give every MoE layer its context."""
+        """Cut every MoE layer's (and Hugging Face MoE block's) stacked expert weights to this rank's block of
+        experts (from the group's first rank's values), and give every MoE layer its context."""
         if self.comm.active:
             same_start(module, self.comm, device)
             self._divide(module)
@@ -65,22 +67,40 @@ class ExpertParallel(Dividing):
             layer.expert_context = self.context
 
     def _divide(self, module: nn.Module) -> None:
+        """Check every layer first (a refusal leaves the model as it was), then cut each to this rank's block."""
         size = self.comm.world_size
-        layers = moe_layers(module)
-        if not layers:
-            raise ConfigurationError(f"parallel: ep={size} divides the experts of trainkit.moe.MoE layers, and "
-                                     f"{type(module).__name__} has none: use ep=1, or build the model with MoE layers.")
+        layers, packed = moe_layers(module), experts_modules(module)
+        if not layers and not packed:
+            raise ConfigurationError(f"parallel: ep={size} divides the experts of trainkit.moe.MoE layers and of "
+                                     f"Hugging Face MoE blocks ({FAMILIES}), and {type(module).__name__} has none: "
+                                     "use ep=1, or build the model with MoE layers.")
+        for family, name, experts in packed:
+            why = unpacked(experts)
+            if why is not None:
+                raise ConfigurationError(
+                    f"parallel: ep={size} divides Hugging Face experts held as transformers' packed default "
+                    f"(gate_up_proj [E, 2I, H] and down_proj [E, H, I], gate then up, no bias: {FAMILIES}); "
+                    f"{family}'s {name} ({type(experts).__name__}) differs: {why}. Train {family} with ep=1 "
+                    "(dp_shard shards its experts with the rest of the model).")
+        for count in {layer.num_experts for layer in layers} | {e.gate_up_proj.shape[0] for _, _, e in packed}:
+            if count % size:
+                raise ConfigurationError(f"parallel: ep={size} does not divide the {count} experts of a MoE layer: "
+                                         f"use an ep that divides {count}.")
         for layer in layers:
-            if layer.num_experts % size:
-                raise ConfigurationError(f"parallel: ep={size} does not divide the {layer.num_experts} "
-                                         f"experts of a MoE layer: use an ep that divides {layer.num_experts}.")
-            for name in ("w1", "w3", "w2"):
-                param = getattr(layer, name)
-                split = Split(0, size)
-                keep_part(param, partial(split.local, rank=self.rank), partial(split.view, rank=self.rank))
-                self.splits[param] = split
-                self._bytes += param.numel() * param.element_size()
+            self._keep(layer, ("w1", "w3", "w2"))
             layer.expert_parallel = size
+        for _, _, experts in packed:
+            self._keep(experts, ("gate_up_proj", "down_proj"))
+            divide(experts, size, self.context)
+
+    def _keep(self, module: nn.Module, names: tuple[str, ...]) -> None:
+        """Cut ``module``'s stacked expert weights ``names`` to this rank's block of experts along dimension 0."""
+        for name in names:
+            param = getattr(module, name)
+            split = Split(0, self.comm.world_size)
+            keep_part(param, partial(split.local, rank=self.rank), partial(split.view, rank=self.rank))
+            self.splits[param] = split
+            self._bytes += param.numel() * param.element_size()
 
     def comms(self) -> list[Comm]:
         return [self.comm] if self.comm.active else []
