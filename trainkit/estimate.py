@@ -35,6 +35,7 @@ from trainkit.step import unpack_output
 from trainkit.units import human, human_count, human_or_unknown, parse_bytes
 from trainkit.work import tracked
 from trainkit_strategies import ActivationMeter, Precision, Strategy, get_strategy
+from trainkit_strategies.experts.huggingface import experts_modules, unpacked
 from trainkit_strategies.experts.transform import moe_layers
 from trainkit_strategies.sharding.units import repeated_layers
 from trainkit_strategies.tensor.planned import plan_for
@@ -293,12 +294,18 @@ def mesh_layouts(module: nn.Module, world_size: int, devices_per_node: int | Non
     """The layouts worth planning for ``module`` on ``world_size`` ranks: tensor parallelism of 2, 4 or 8 within a
     node (when the module has a plan: its ``tensor_parallel_plan()``, a Hugging Face model's own) times 1, 2 or 4
     pipeline stages (when it has ``pipeline_layers()`` with as many layers), the data-parallel shards taking the
-    rest (without tensor parallelism the layout is ``fsdp`` or ``pipeline``, already rows); and with MoE layers,
-    their experts divided over 2, 4 or 8 of the data-parallel ranks (``ep``)."""
-    experts = {m.num_experts for m in moe_layers(module)}
+    rest (without tensor parallelism the layout is ``fsdp`` or ``pipeline``, already rows); and with MoE layers
+    (trainkit's, or Hugging Face blocks ep divides), their experts divided over 2, 4 or 8 of the data-parallel ranks
+    (``ep``)."""
+    experts = {m.num_experts for m in moe_layers(module)} | \
+        {e.gate_up_proj.shape[0] for _, _, e in experts_modules(module) if unpacked(e) is None}  # Hugging Face's
     expert_parallel = [{"ep": ep} for ep in (2, 4, 8) if experts and world_size % ep == 0
                        and all(n % ep == 0 for n in experts)]  # the experts divided among data-parallel ranks
-    if plan_for(module) is None:
+    try:
+        planned = plan_for(module) is not None
+    except ValueError:  # a plan trainkit cannot run: its rows say why (the strategy's unfit_for)
+        planned = True
+    if not planned:
         return expert_parallel
     node = devices_per_node or world_size
     layers = len(module.pipeline_layers()) if callable(getattr(module, "pipeline_layers", None)) else 1

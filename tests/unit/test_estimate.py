@@ -563,3 +563,25 @@ def test_the_runs_own_layout_is_refused_when_its_setup_cannot_fit_naming_those_t
     assert "setup peaks at 12 B on the device and 70 B in host memory" in message, message
     assert "These fit: fsdp." in message, message  # not ddp: its setup overflows the device's 90%
     Estimate(1, 32, "32", rows, device_memory=100, host_memory=50, named="fsdp").refuse_unfit()
+
+
+def test_a_hugging_face_moe_is_offered_expert_parallel_rows():
+    """A Hugging Face Mixtral (its experts packed as transformers holds them) gets ep rows as trainkit's MoE does, the
+    row naming the expert weights a rank holds: half of them at ep2; its tp rows name the plan's style trainkit does
+    not run (the estimate stopped there)."""
+    pytest.importorskip("transformers")
+    from trainkit.hf import CausalLM
+
+    config = {"model_type": "mixtral", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+              "num_experts_per_tok": 2}
+    module = CausalLM(config=config)
+    with torch.device("meta"):
+        module.configure_model()
+    planned = estimate(module, None, world_size=2, strategies=["ddp"])
+    row = planned.row("ep2")
+    assert row.options == {"ep": 2} and row.applies, row
+    experts = sum(p.numel() * 4 for n, p in module.named_parameters() if ".experts." in n) // 2
+    assert f"expert weights {experts / 1e6:.2f} MB per rank" in row.note, row.note
+    tp = planned.row("tp2")  # its tensor-parallel plan has a style trainkit does not run: the row says so
+    assert not tp.applies and "packed_colwise" in tp.note, tp.note
